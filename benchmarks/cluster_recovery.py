@@ -1,14 +1,22 @@
-"""Cluster recovery on sparse graphs: the paper's DFCA rule against the robust variants and IFCA.
+"""Cluster recovery on sparse graphs: the paper's DFCA rule against the robust default and IFCA.
 
     python benchmarks/cluster_recovery.py [--seeds 5] [--rounds 30] [--settings 0,1] [--columns ...]
-                                          [--quick] [--out runs/cluster_recovery]
+                                          [--paper] [--quick] [--render] [--out runs/cluster_recovery]
 
-Rows are settings (k, N, graph, and stress: 10% message loss, sequential aggregation); columns are
-DFCA with the paper's rule, the robust variant with and without farthest-first seeding (GI and LI),
-and centralized IFCA, all on the same data, seeds and starting models. Each cell is the ARI mean
-and minimum over seeds, how many seeds reached ARI >= 0.95, and the mean test accuracy.
-Every finished run is appended to OUT/runs.jsonl at once (a rerun skips what is there), then the
-table is printed and OUT/cluster_recovery.png is drawn. `--render` only redraws from runs.jsonl.
+Rows are settings (k, N, graph, and stress: 10% message loss with sequential aggregation); columns
+are DFCA with the paper's rule, the robust default (farthest-first seeding + ratio consensus, GI and
+LI), robust without seeding, and centralized IFCA, all on the same data, seeds and starting models.
+Every column trains for `--rounds` rounds; seeding adds its k * flood_rounds communication-only
+rounds first. Each cell is the ARI mean and minimum over seeds, how many seeds reached ARI >= 0.95,
+and the mean test accuracy. Every finished run is appended to OUT/runs.jsonl at once; a rerun
+skips what is there, and several processes (one per core, OMP_NUM_THREADS=1) can share one OUT
+and split the grid. Then the table is printed and written as markdown to OUT/table.md, and
+OUT/cluster_recovery.png is drawn. `--paper` runs also log ARI and accuracy every 5 rounds, drawn
+in OUT/cluster_recovery_curves.png. `--render` only redraws from runs.jsonl.
+
+`--paper` runs the DFCA paper's own settings instead (k=4 N=240 ER p=0.1 and k=2 N=100 ER p=0.15,
+MLP h=2048 and h=200, T=150). One h=2048 round on 240 clients takes tens of seconds on 2 CPU cores;
+use `--rounds`, `--settings` and `--seeds` to fit the machine.
 
 Data: rotated bundled MNIST, each cluster its own permutation of the 4,000 training images, as many
 per client as that allows (at most `--max-train`), MLP h=200, lr 0.1, 5 local epochs, batch 50.
@@ -17,7 +25,9 @@ per client as that allows (at most `--max-train`), MLP h=200, lr 0.1, 5 local ep
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -47,16 +57,32 @@ SETTINGS: list[dict[str, Any]] = [
     {"label": "k=2 N=30 BA m=2, 10% loss, sequential", "k": 2, "n": 30, "topology": {"kind": BA, "m": 2},
      "extra": {"aggregation": "sequential", "network": {"message_loss": 0.1}}},
 ]
+# The DFCA paper's own settings (Tables 1 and 2): `--paper` runs these instead, each with its own
+# model, batch size and rounds, and logs ARI and accuracy every `eval` rounds for the curves plot.
+PAPER_SETTINGS: list[dict[str, Any]] = [  # T = 150 as in the paper; --rounds cuts it on small machines
+    {"label": "paper k=4 N=240 ER p=0.1 h=2048", "k": 4, "n": 240, "topology": {"kind": ER, "p": 0.1},
+     "rounds": 150, "eval": 5, "extra": {"model": {"hidden": 2048}}},
+    {"label": "paper k=2 N=100 ER p=0.15 h=2048", "k": 2, "n": 100, "topology": {"kind": ER, "p": 0.15},
+     "rounds": 150, "eval": 5, "extra": {"model": {"hidden": 2048}}},
+    {"label": "paper k=4 N=240 ER p=0.1 h=200", "k": 4, "n": 240, "topology": {"kind": ER, "p": 0.1},
+     "rounds": 150, "eval": 5},
+    {"label": "paper k=2 N=100 ER p=0.15 h=200", "k": 2, "n": 100, "topology": {"kind": ER, "p": 0.15},
+     "rounds": 150, "eval": 5},
+]
 COLUMNS: dict[str, dict[str, Any]] = {
     "paper GI": {"algorithm": "dfca", "init": "global", "dfca": {"variant": "paper"}},
     "paper LI": {"algorithm": "dfca", "init": "local", "dfca": {"variant": "paper"}},
-    "consensus GI": {"algorithm": "dfca", "init": "global", "dfca": {"variant": "robust", "seeding": "none"}},
-    "consensus LI": {"algorithm": "dfca", "init": "local", "dfca": {"variant": "robust", "seeding": "none"}},
-    "seeded GI": {"algorithm": "dfca", "init": "global", "dfca": {"variant": "robust", "seeding": "farthest"}},
-    "seeded LI": {"algorithm": "dfca", "init": "local", "dfca": {"variant": "robust", "seeding": "farthest"}},
+    "robust GI": {"algorithm": "dfca", "init": "global", "dfca": {"variant": "robust", "seeding": "farthest"}},
+    "robust LI": {"algorithm": "dfca", "init": "local", "dfca": {"variant": "robust", "seeding": "farthest"}},
+    "no-seeding GI": {"algorithm": "dfca", "init": "global", "dfca": {"variant": "robust", "seeding": "none"}},
+    "no-seeding LI": {"algorithm": "dfca", "init": "local", "dfca": {"variant": "robust", "seeding": "none"}},
     "IFCA": {"algorithm": "ifca", "init": "global"},
+    # ablations: seeding with less or no consensus after it
+    "seeded 3-step GI": {"algorithm": "dfca", "init": "global",
+                         "dfca": {"variant": "robust", "seeding": "farthest", "warmup_rounds": 0}},
+    "seeded paper GI": {"algorithm": "dfca", "init": "global", "dfca": {"variant": "paper", "seeding": "farthest"}},
 }
-DEFAULT_COLUMNS = "paper GI,consensus GI,seeded GI,seeded LI,IFCA"
+DEFAULT_COLUMNS = "paper GI,robust GI,robust LI,no-seeding GI,IFCA"
 TRAIN_IMAGES, TEST_IMAGES = 4000, 1000  # the bundled 5,000 images, 20% held out for testing
 
 
@@ -70,8 +96,9 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def config(setting: dict[str, Any], column: dict[str, Any], seed: int, rounds: int, max_train: int) -> ExperimentConfig:
     k, n = setting["k"], setting["n"]
     per_cluster = -(-n // k)
+    every = setting.get("eval", rounds)
     base = {
-        "name": "recovery", "clusters": k, "rounds": rounds, "seed": seed, "eval_every": rounds,
+        "name": "recovery", "clusters": k, "rounds": rounds, "seed": seed, "eval_every": every,
         "aggregation": "batch",
         "data": {"dataset": "mnist-bundled", "rotations": [0, 180] if k == 2 else [0, 90, 180, 270],
                  "clients": n, "train_per_client": min(max_train, TRAIN_IMAGES // per_cluster),
@@ -80,13 +107,35 @@ def config(setting: dict[str, Any], column: dict[str, Any], seed: int, rounds: i
         "train": {"lr": 0.1, "local_epochs": 5, "batch_size": 50},
         "topology": setting["topology"],
     }
-    return ExperimentConfig.model_validate(merge(merge(base, setting.get("extra", {})), column))
+    cfg = ExperimentConfig.model_validate(merge(merge(base, setting.get("extra", {})), column))
+    return cfg
 
 
 def load_runs(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def claim(out: Path, log: Path, key: tuple[str, str, int, int]) -> bool:
+    """Take run `key` unless runs.jsonl has it or a live process claimed it: several processes of this
+    benchmark can share one OUT (one per core, each with OMP_NUM_THREADS=1) and split the grid."""
+    if any((r["setting"], r["column"], r["seed"], r["rounds"]) == key for r in load_runs(log)):
+        return False
+    claims = out / "claims"
+    claims.mkdir(exist_ok=True)
+    path = claims / hashlib.sha1(json.dumps(key).encode()).hexdigest()
+    try:
+        with path.open("x") as f:
+            f.write(str(os.getpid()))
+        return True
+    except FileExistsError:
+        try:
+            os.kill(int(path.read_text() or 0), 0)
+            return False  # its owner still runs it
+        except (ProcessLookupError, ValueError):
+            path.write_text(str(os.getpid()))  # the owner died: take it over
+            return True
 
 
 def cell(runs: list[dict[str, Any]]) -> str:
@@ -98,8 +147,9 @@ def cell(runs: list[dict[str, Any]]) -> str:
             f"{100 * statistics.mean(r['acc'] for r in runs):.1f}%")
 
 
-def render(runs: list[dict[str, Any]], columns: list[str], out: Path, console: Console) -> None:
-    labels = [s["label"] for s in SETTINGS if any(r["setting"] == s["label"] for r in runs)]
+def render(runs: list[dict[str, Any]], settings: list[dict[str, Any]], columns: list[str], out: Path,
+           console: Console) -> None:
+    labels = [s["label"] for s in settings if any(r["setting"] == s["label"] for r in runs)]
     table = Table(title="cluster recovery: ARI mean / min (seeds with ARI >= 0.95), mean test accuracy")
     table.add_column("setting")
     for name in columns:
@@ -108,6 +158,11 @@ def render(runs: list[dict[str, Any]], columns: list[str], out: Path, console: C
         table.add_row(label, *[cell([r for r in runs if r["setting"] == label and r["column"] == name])
                                for name in columns])
     console.print(table)
+    lines = ["| setting | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for label in labels:
+        cells = [cell([r for r in runs if r["setting"] == label and r["column"] == name]) for name in columns]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.8 / max(len(columns), 1)
     for c, name in enumerate(columns):
@@ -127,50 +182,85 @@ def render(runs: list[dict[str, Any]], columns: list[str], out: Path, console: C
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "cluster_recovery.png", dpi=110)
-    console.print(f"wrote {out}/runs.jsonl and {out}/cluster_recovery.png")
+    console.print(f"wrote {out}/runs.jsonl, {out}/table.md and {out}/cluster_recovery.png")
+    if any(r.get("curve") for r in runs):
+        plot_curves(runs, labels, columns, out / "cluster_recovery_curves.png")
+        console.print(f"wrote {out}/cluster_recovery_curves.png")
+
+
+def plot_curves(runs: list[dict[str, Any]], labels: list[str], columns: list[str], path: Path) -> None:
+    """ARI and accuracy against training round, mean over seeds: one row of panels per setting."""
+    fig, axes = plt.subplots(len(labels), 2, figsize=(12, 3.2 * len(labels)), squeeze=False)
+    for row, label in enumerate(labels):
+        for name in columns:
+            curves = [r["curve"] for r in runs if r["setting"] == label and r["column"] == name and r.get("curve")]
+            if not curves:
+                continue
+            length = min(len(c) for c in curves)
+            xs = [curves[0][i][0] for i in range(length)]
+            for col, key in enumerate((1, 2)):
+                ys = [statistics.mean(c[i][key] for c in curves) for i in range(length)]
+                axes[row][col].plot(xs, ys, marker="o", markersize=2, label=f"{name} ({len(curves)} seeds)")
+        axes[row][0].set_ylabel(f"{label}\nARI", fontsize=8)
+        axes[row][1].set_ylabel("test accuracy")
+        axes[row][0].set_ylim(-0.1, 1.05)
+        axes[row][0].legend(fontsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel("training round (after seeding)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=30, help="rounds of every run (seeding rounds included)")
-    p.add_argument("--settings", default=",".join(map(str, range(len(SETTINGS)))),
-                   help="comma-separated indices into SETTINGS (default: all)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="training rounds of every run (seeding comes on top); default 30, or 150 with --paper")
+    p.add_argument("--settings", default=None, help="comma-separated indices into the settings (default: all)")
+    p.add_argument("--paper", action="store_true",
+                   help="the paper's own settings (PAPER_SETTINGS: N=100/240, h=200/2048, their own rounds)")
     p.add_argument("--columns", default=DEFAULT_COLUMNS, help=f"comma-separated, of: {', '.join(COLUMNS)}")
     p.add_argument("--max-train", type=int, default=200, help="cap on training images per client")
     p.add_argument("--quick", action="store_true", help="2 seeds, 12 rounds, the first 2 settings")
     p.add_argument("--render", action="store_true", help="only print and plot what runs.jsonl holds")
-    p.add_argument("--out", type=Path, default=Path("runs/cluster_recovery"))
+    p.add_argument("--out", type=Path, default=None, help="default runs/cluster_recovery (or ..._paper)")
     args = p.parse_args()
     if args.quick:
-        args.seeds, args.rounds, args.settings = 2, 12, "0,1"
+        args.seeds, args.rounds, args.settings = 2, 12, args.settings or "0,1"
+    catalogue = PAPER_SETTINGS if args.paper else SETTINGS
+    settings = [catalogue[int(i)] for i in (args.settings or ",".join(map(str, range(len(catalogue))))).split(",")]
     columns = [c.strip() for c in args.columns.split(",")]
     unknown = [c for c in columns if c not in COLUMNS]
     if unknown:
         p.error(f"unknown columns {unknown}; choose from {list(COLUMNS)}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    log = args.out / "runs.jsonl"
+    out: Path = args.out or Path("runs/cluster_recovery" + ("_paper" if args.paper else ""))
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "runs.jsonl"
     console = Console(width=170)
     runs = load_runs(log)
-    if not args.render:
-        done = {(r["setting"], r["column"], r["seed"], r["rounds"]) for r in runs}
-        for setting in [SETTINGS[int(i)] for i in args.settings.split(",")]:
-            for seed in range(args.seeds):
-                for name in columns:
-                    if (setting["label"], name, seed, args.rounds) in done:
-                        continue
-                    began = time.perf_counter()
-                    s = simulate(config(setting, COLUMNS[name], seed, args.rounds, args.max_train)).summary
-                    run = {"setting": setting["label"], "column": name, "seed": seed, "rounds": args.rounds,
-                           "ari": s["cluster_ari"], "acc": s["test_accuracy"], "populated": s["populated_clusters"],
-                           "bytes_per_round": s["bytes_sent_per_client_per_round"],
-                           "seconds": time.perf_counter() - began}
-                    runs.append(run)
-                    with log.open("a") as f:
-                        f.write(json.dumps(run) + "\n")
-                    console.print(f"{setting['label']:40s} {name:13s} seed {seed}: ARI {run['ari']:.3f} "
-                                  f"acc {run['acc']:.4f} populated {run['populated']} ({run['seconds']:.0f}s)")
-    render([r for r in runs if r["rounds"] == args.rounds], columns, args.out, console)
+    for setting in [] if args.render else settings:
+        rounds = args.rounds or setting.get("rounds", 30)
+        for seed in range(args.seeds):
+            for name in columns:
+                if not claim(out, log, (setting["label"], name, seed, rounds)):
+                    continue  # done, or another process of this benchmark runs it
+                began = time.perf_counter()
+                cfg = config(setting, COLUMNS[name], seed, rounds, args.max_train)
+                result = simulate(cfg)
+                s, skip = result.summary, cfg.seeding_rounds
+                run = {"setting": setting["label"], "column": name, "seed": seed, "rounds": rounds,
+                       "seeding_rounds": skip, "ari": s["cluster_ari"], "acc": s["test_accuracy"],
+                       "populated": s["populated_clusters"], "bytes_per_round": s["bytes_sent_per_client_per_round"],
+                       "seconds": time.perf_counter() - began,
+                       "curve": [(h["round"] - skip, h["ari"], h["test_accuracy"]) for h in result.history
+                                 if h["round"] > skip] if "eval" in setting else None}
+                runs.append(run)
+                with log.open("a") as f:
+                    f.write(json.dumps(run) + "\n")
+                console.print(f"{setting['label']:40s} {name:13s} seed {seed}: ARI {run['ari']:.3f} "
+                              f"acc {run['acc']:.4f} populated {run['populated']} ({run['seconds']:.0f}s)")
+    wanted = {(s["label"], args.rounds or s.get("rounds", 30)) for s in settings}
+    render([r for r in runs if (r["setting"], r["rounds"]) in wanted], settings, columns, out, console)
 
 
 if __name__ == "__main__":

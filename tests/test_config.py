@@ -51,3 +51,19 @@ def test_bundled_configs_are_valid() -> None:
     assert files
     for f in files:
         load_config(f)
+
+
+def test_robust_default_seeds_before_its_training_rounds() -> None:
+    """The default DFCA (robust) seeds its k models first, on top of `rounds`; the paper's rules do not."""
+    cfg = parse_config({"clusters": 4, "rounds": 10, "data": {"clients": 32},
+                        "topology": {"kind": "erdos_renyi", "p": 0.2}})
+    assert cfg.dfca.variant == "robust" and cfg.dfca.seeding_rule == "farthest"
+    assert cfg.seeding_rounds == 4 * 5  # k x the diameter bound of ER N=32 p=0.2
+    assert cfg.total_rounds == 10 + 20
+    flood = parse_config({**cfg.model_dump(), "dfca": {"flood_rounds": 2}})
+    assert flood.seeding_rounds == 8 and flood.total_rounds == 18
+    for other in ({"dfca": {"variant": "paper"}}, {"dfca": {"seeding": "none"}}, {"algorithm": "ifca"}):
+        plain = parse_config({**cfg.model_dump(), **other})
+        assert plain.seeding_rounds == 0 and plain.total_rounds == 10, other
+    seeded_paper = parse_config({**cfg.model_dump(), "dfca": {"variant": "paper", "seeding": "farthest"}})
+    assert seeded_paper.seeding_rounds == 20

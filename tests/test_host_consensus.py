@@ -16,8 +16,8 @@ from tests.test_host_equivalence import small_config
 
 
 def robust_config(rounds: int = 3) -> object:
-    return small_config(rounds=rounds, dfca={"variant": "robust", "warmup_rounds": 2, "warmup_gossip_steps": 3,
-                                             "gossip_steps": 2})
+    return small_config(rounds=rounds, dfca={"variant": "robust", "seeding": "none", "warmup_rounds": 2,
+                                             "warmup_gossip_steps": 3, "gossip_steps": 2})
 
 
 def build_hosts(cfg: object, broker: InMemoryBroker, count: int) -> tuple[list[ClientHost], object]:

@@ -76,7 +76,9 @@ def test_seeding_recovers_k4_where_the_paper_rule_and_plain_consensus_collapse()
     """
     paper = simulate(k4_config(5, {"variant": "paper"})).summary
     consensus = simulate(k4_config(5, {"variant": "robust", "seeding": "none"})).summary
-    seeded = simulate(k4_config(5, {"variant": "robust", "seeding": "farthest"})).summary
+    default = k4_config(5, {})  # the default DFCA: robust, which seeds farthest-first
+    assert default.dfca.variant == "robust" and default.dfca.seeding_rule == "farthest"
+    seeded = simulate(default).summary
     assert paper["cluster_ari"] < 0.6, paper
     assert consensus["cluster_ari"] < 0.9 and consensus["populated_clusters"] < 4, consensus
     assert seeded["cluster_ari"] >= 0.95 and seeded["populated_clusters"] == 4, seeded

@@ -59,10 +59,10 @@ def run(
             raise typer.Exit(2) from err
     log = MetricsLog(out / "metrics.jsonl")
     console.print(f"[bold]{cfg.name}[/]: {cfg.algorithm}, {cfg.data.clients} clients, k={cfg.clusters}, "
-                  f"{cfg.rounds} rounds, {cfg.topology.kind} graph -> {out}")
+                  f"{cfg.rounds} rounds{seeding_note(cfg)}, {cfg.topology.kind} graph -> {out}")
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console) as progress:
-        task = progress.add_task("rounds", total=cfg.rounds, status="")
+        task = progress.add_task("rounds", total=cfg.total_rounds, status="")
 
         def on_round(record: dict[str, Any]) -> None:
             log.write(record)
@@ -80,7 +80,7 @@ def run(
             log.close()
     write_summary(out, result.summary, cfg)
     save_models(out, result.final_models, result.assigned.tolist())
-    plot_history(out, result.history, cfg.name)
+    plot_history(out, result.history, cfg.name, cfg.seeding_rounds)
     Console().print(results_table(result.summary))
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
@@ -163,3 +163,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def seeding_note(cfg: ExperimentConfig) -> str:
+    if not cfg.seeding_rounds:
+        return ""
+    return f" after {cfg.seeding_rounds} rounds of farthest-first seeding (dfca.seeding)"

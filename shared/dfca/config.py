@@ -78,10 +78,11 @@ class DFCAConfig(Strict):
     untrained_weight: float = Field(
         0.0, ge=0.0, le=1.0, description="robust: weight of a cluster copy its client did not train this round"
     )
-    seeding: Literal["none", "farthest"] = Field(
-        "none",
+    seeding: Literal["none", "farthest"] | None = Field(
+        None,
         description="farthest: before training, agree on k seed models by farthest-first max-flooding "
-        "(core.seeding): each seed is the local model of the client the earlier seeds fit worst",
+        "(core.seeding): each seed is the local model of the client the earlier seeds fit worst; "
+        "None: farthest for variant robust, none for variant paper",
     )
     seed_epochs: int = Field(10, ge=0, description="seeding: local epochs that train each client's candidate")
     flood_rounds: int | None = Field(
@@ -92,6 +93,10 @@ class DFCAConfig(Strict):
     @property
     def merge_rule(self) -> str:
         return self.merge or ("fresh" if self.variant == "robust" else "paper")
+
+    @property
+    def seeding_rule(self) -> str:
+        return self.seeding or ("farthest" if self.variant == "robust" else "none")
 
     def steps_at(self, t: int, start: int = 0) -> int:
         """Gossip steps of ratio consensus in round t; 0 means the round merges by eq. 7/8.
@@ -139,7 +144,9 @@ class ExperimentConfig(Strict):
     init: Literal["global", "local"] = "global"
     aggregation: Literal["sequential", "batch"] = "sequential"
     clusters: int = Field(4, ge=1, le=64)
-    rounds: int = Field(30, ge=1, le=100_000)
+    rounds: int = Field(
+        30, ge=1, le=100_000, description="training rounds (robust DFCA seeds its k models in extra rounds first)"
+    )
     seed: int = 0
     eval_every: int = Field(1, ge=1)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
@@ -161,6 +168,22 @@ class ExperimentConfig(Strict):
         if self.topology.kind == "barabasi_albert" and self.topology.m >= self.data.clients:
             raise ValueError("topology.m must be smaller than data.clients")
         return self
+
+    @property
+    def seeding_rounds(self) -> int:
+        """Communication-only rounds of farthest-first seeding before DFCA's first training round."""
+        return _seeding_rounds(self) if self.algorithm == "dfca" else 0
+
+    @property
+    def total_rounds(self) -> int:
+        """`rounds` training rounds plus the seeding rounds that come first (robust DFCA)."""
+        return self.rounds + self.seeding_rounds
+
+
+def _seeding_rounds(cfg: ExperimentConfig) -> int:
+    from dfca.core.seeding import seeding_rounds  # core.seeding reads this module's classes
+
+    return seeding_rounds(cfg)
 
 
 class ConfigError(ValueError):

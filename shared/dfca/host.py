@@ -565,7 +565,7 @@ def run_hosts_lockstep(
     ]
     for h in built:
         h.setup()
-    for t in range(cfg.rounds):
+    for t in range(cfg.total_rounds):
         lockstep_round(built, t)
     return built
 

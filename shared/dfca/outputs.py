@@ -48,8 +48,11 @@ def save_models(out: Path, models: dict[str, Params], assigned: Sequence[int]) -
     (folder / "assignments.json").write_text(json.dumps({"assigned": list(map(int, assigned))}) + "\n")
 
 
-def plot_history(out: Path, history: list[dict[str, Any]], title: str) -> list[Path]:
-    """accuracy.png and ari.png against rounds, plus clusters.png (populated clusters)."""
+def plot_history(out: Path, history: list[dict[str, Any]], title: str, seeding_rounds: int = 0) -> list[Path]:
+    """accuracy.png and ari.png against rounds, plus clusters.png (populated clusters).
+
+    Robust DFCA's seeding rounds (no training) are shaded.
+    """
     rounds = [h["round"] for h in history]
     paths = []
     for key, label, fname in (
@@ -58,6 +61,9 @@ def plot_history(out: Path, history: list[dict[str, Any]], title: str) -> list[P
         ("populated_clusters", "populated clusters", "clusters.png"),
     ):
         fig, ax = plt.subplots(figsize=(6, 4))
+        if seeding_rounds:
+            ax.axvspan(0, seeding_rounds, color="0.9", label="seeding (no training)")
+            ax.legend(fontsize=8, loc="lower right")
         ax.plot(rounds, [h[key] for h in history], marker="o", markersize=3)
         ax.set_xlabel("round")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -8,6 +8,7 @@ with probability `network.message_delay`. Without loss or delay, sequential aggr
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from dfca.evaluation import (
 from dfca.graph import adjacency_matrix, build_graph
 from dfca.models import Params, build_model
 
+log = logging.getLogger(__name__)
+
 RoundCallback = Callable[[dict[str, Any]], None]
 
 
@@ -51,6 +54,8 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: cuda was asked for but no CUDA device is available")
+    if name != "cpu":
+        log.warning("device: %s is accepted but not used yet: the simulator and hosts compute on the CPU", name)
     return torch.device(name)
 
 
@@ -123,11 +128,11 @@ def simulate(
     sample = torch.Generator().manual_seed(cfg.seed * 31 + 2)
     watch = CollapseWatch(cfg.clusters)
     history: list[dict[str, Any]] = []
-    for t in range(cfg.rounds):
+    for t in range(cfg.total_rounds):
         t0 = time.perf_counter()
         on_time, late = delivery_masks(ctx.adjacency, cfg.network.message_loss, cfg.network.message_delay, net)
         algo.run_round(t, on_time, late)
-        if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.rounds:
+        if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.total_rounds:
             record = round_record(algo, t, truth, cfg.clusters, ctx.adjacency, sample)
             record["seconds"] = time.perf_counter() - t0
             record["warnings"] = watch.observe(record)
@@ -156,6 +161,7 @@ def build_summary(
         "init": cfg.init,
         "aggregation": cfg.aggregation,
         "rounds": cfg.rounds,
+        "seeding_rounds": cfg.seeding_rounds,
         "clients": int(truth.numel()),
         "clusters": cfg.clusters,
         "seed": cfg.seed,

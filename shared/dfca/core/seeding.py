@@ -67,7 +67,7 @@ def flood_rounds(cfg: ExperimentConfig) -> int:
 
 def seeding_rounds(cfg: ExperimentConfig) -> int:
     """How many of the first rounds the seeding takes (0 without seeding)."""
-    return cfg.clusters * flood_rounds(cfg) if cfg.dfca.seeding == "farthest" else 0
+    return cfg.clusters * flood_rounds(cfg) if cfg.dfca.seeding_rule == "farthest" else 0
 
 
 @dataclass(frozen=True)

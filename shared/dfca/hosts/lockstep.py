@@ -41,7 +41,7 @@ def run_lockstep(
         server.setup()
     for h in built:
         h.setup()
-    for t in range(cfg.rounds):
+    for t in range(cfg.total_rounds):
         if server is None:
             lockstep_round(built, t)
             continue

@@ -193,7 +193,7 @@ class ClientRunner:
     def _run_once(self, first: bool) -> None:
         spec, cfg = self.spec, self.spec.config
         assert self._data is not None
-        steps = max((cfg.dfca.steps_at(t) for t in range(cfg.rounds)), default=0)
+        steps = max((cfg.dfca.steps_at(t) for t in range(cfg.total_rounds)), default=0)
         transport = HostTransport(self.connect(prefetch_for(spec.neighbours, steps)))
         self._transport = transport
         if self._stop.is_set():
@@ -235,7 +235,7 @@ class ClientRunner:
     def _rounds(self, host: ClientHost, transport: HostTransport, start: int) -> None:
         cfg = self.spec.config
         liveness = NeighbourLiveness()
-        for t in range(start, cfg.rounds):
+        for t in range(start, cfg.total_rounds):
             if self._stop.is_set():
                 raise RunInterrupted
             began = time.perf_counter()
@@ -255,7 +255,7 @@ class ClientRunner:
             host.save_checkpoint(self.checkpoint)
             transport.flush_acks()
             self.status.rounds_done = t + 1
-            evaluate = (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.rounds
+            evaluate = (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.total_rounds
             self.emit(RoundReport(
                 deployment=self.spec.deployment, experiment=self.spec.experiment, worker=self.spec.ordinal,
                 incarnation=self.incarnation, round=t + 1, clients=host.clients, complete=complete,

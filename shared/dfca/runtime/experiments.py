@@ -108,7 +108,8 @@ class ExperimentRecord:
         now = time.time() if now is None else now
         return {
             "id": self.id, "name": self.config.name, "algorithm": self.config.algorithm, "status": self.status,
-            "round": self.round, "rounds": self.config.rounds, "clients": self.num_clients, "workers": self.workers,
+            "round": self.round, "rounds": self.config.total_rounds, "clients": self.num_clients,
+            "workers": self.workers,
             "go": self.go, "topology_version": self.topology_version, "created_at": self.created_at,
             "started_at": self.started_at, "finished_at": self.finished_at, "failed_clients": self.failed_clients,
             "worker_states": {str(w): v.public(now) for w, v in sorted(self.worker_views.items())},
