@@ -163,24 +163,28 @@ def render(runs: list[dict[str, Any]], settings: list[dict[str, Any]], columns: 
         cells = [cell([r for r in runs if r["setting"] == label and r["column"] == name]) for name in columns]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     width = 0.8 / max(len(columns), 1)
+    lowest = 100.0
     for c, name in enumerate(columns):
         aris, accs = [], []
         for label in labels:
             rows = [r for r in runs if r["setting"] == label and r["column"] == name]
             aris.append(statistics.mean(r["ari"] for r in rows) if rows else 0.0)
             accs.append(100 * statistics.mean(r["acc"] for r in rows) if rows else 0.0)
+        lowest = min([lowest, *(a for a in accs if a > 0)])
         xs = [i + c * width for i in range(len(labels))]
         axes[0].bar(xs, aris, width, label=name)
         axes[1].bar(xs, accs, width, label=name)
     for ax, ylabel in zip(axes, ("cluster ARI (mean over seeds)", "test accuracy % (mean over seeds)"), strict=True):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels, fontsize=7, rotation=25, ha="right")
         ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylim(-0.1, 1.05)
-    axes[1].set_ylim(40, 100)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    axes[1].set_ylim(max(0.0, 5 * (lowest // 5) - 5), 100)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="upper center", ncol=len(columns), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
     fig.savefig(out / "cluster_recovery.png", dpi=110)
     console.print(f"wrote {out}/runs.jsonl, {out}/table.md and {out}/cluster_recovery.png")
     if any(r.get("curve") for r in runs):

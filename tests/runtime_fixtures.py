@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from dfca.config import ExperimentConfig
 from dfca.runtime.launcher import Stack, StackOptions
 
 TOKEN = "test-token"
@@ -41,6 +42,11 @@ def rotated_mnist(**overrides: Any) -> dict[str, Any]:
         else:
             cfg[key] = value
     return cfg
+
+
+def total_rounds(cfg: dict[str, Any]) -> int:
+    """Rounds a run reports: `rounds` training rounds plus robust DFCA's seeding rounds before them."""
+    return ExperimentConfig.model_validate(cfg).total_rounds
 
 
 def log_tails(state_dir: Path, lines: int = 15) -> str:

@@ -46,7 +46,10 @@ def test_dfca_gi_recovers_clusters_on_rotated_mnist(tmp_path: Path) -> None:
     assert summary["cluster_ari"] >= 0.95
     assert summary["test_accuracy"] >= 0.85
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in lines] == list(range(1, 16))
+    seeding = summary["seeding_rounds"]  # the default robust DFCA seeds first, then trains 15 rounds
+    assert seeding > 0 and summary["rounds"] == 15
+    assert [r["round"] for r in lines] == list(range(1, seeding + 16))
+    assert [r["phase"] for r in lines] == ["seeding"] * seeding + ["training"] * 15
     for r in lines:
         assert {"test_accuracy", "train_loss", "assignment_counts", "ari", "disagreement",
                 "populated_clusters"} <= set(r)

@@ -136,3 +136,62 @@ def test_fused_mlp_sgd_matches_autograd() -> None:
         opt.step()
     for name in p:
         torch.testing.assert_close(p[name], ref[name].detach(), rtol=1e-4, atol=1e-5)
+
+
+def dense_mix(params: dict[str, torch.Tensor], W: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+    """The definition: theta_{.,j} <- W[j] @ [theta_{.,j}; extra], on flattened copies. -> [N, k, D]."""
+    out = []
+    for j in range(W.shape[0]):
+        flat = torch.cat([t[:, j].reshape(t.shape[0], -1) for t in params.values()], 1)
+        out.append(W[j] @ (flat if extra is None else torch.cat([flat, extra])))
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("merge", ["paper", "fresh"])
+@pytest.mark.parametrize("late", [0, 3])
+def test_mix_clusters_equals_the_dense_product(merge: str, late: int) -> None:
+    """mix_clusters computes only changed rows and weighted columns; the result is W[j] @ theta_j all the same."""
+    n, k = 12, 3
+    g = torch.Generator().manual_seed(4)
+    params = random_params(n, k, seed=4)
+    flat_before = torch.stack([torch.cat([t[:, j].reshape(n, -1) for t in params.values()], 1) for j in range(k)], 1)
+    delivered = torch.rand(n, n + late, generator=g) < 0.25
+    delivered[:, :n] &= ~torch.eye(n, dtype=torch.bool)
+    delivered[0] = False  # a client that hears nothing keeps its models
+    sent = torch.randint(0, k, (n + late,), generator=g)
+    sent[:n][sent[:n] == 2] = 0  # nobody trained cluster 2 this round (only late models of it, if any)
+    extra = torch.randn(late, flat_before.shape[2], generator=g) if late else None
+    W = mixing_matrices(delivered, sent, self_weights(sent[:n], k, merge))
+    expected = dense_mix(params, W, extra)
+    mix_clusters(params, W, extra=extra)
+    got = torch.stack([torch.cat([t[:, j].reshape(n, -1) for t in params.values()], 1) for j in range(k)], 1)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[0], flat_before[0])
+    assert not torch.equal(got, flat_before)
+
+
+@pytest.mark.parametrize("untrained_weight", [0.0, 0.3])
+def test_ratio_consensus_equals_the_dense_ratio(untrained_weight: float) -> None:
+    """theta_j <- P^G (m_j theta_j) / P^G m_j where reached, else the own copy (core.consensus)."""
+    from dfca.core.consensus import consensus_weights, gossip_matrix, ratio_consensus
+
+    n, k = 14, 3
+    g = torch.Generator().manual_seed(5)
+    params = random_params(n, k, seed=5)
+    adjacency = torch.rand(n, n, generator=g) < 0.15
+    adjacency = (adjacency | adjacency.T) & ~torch.eye(n, dtype=torch.bool)
+    adjacency[3] = adjacency[:, 3] = False  # isolated: untouched unless it trained the cluster itself
+    assigned = torch.randint(0, k, (n,), generator=g)
+    assigned[assigned == 2] = 1  # cluster 2 is trained by nobody
+    m = consensus_weights(assigned, k, untrained_weight)
+    steps = [gossip_matrix(adjacency)] * 3
+    walk = steps[0] @ steps[0] @ steps[0]
+    expected = []
+    for j in range(k):
+        flat = torch.cat([t[:, j].reshape(n, -1) for t in params.values()], 1)
+        num, den = walk @ (m[:, j : j + 1] * flat), walk @ m[:, j]
+        expected.append(torch.where((den > 1e-3).unsqueeze(1), num / den.clamp_min(1e-3).unsqueeze(1), flat))
+    ratio_consensus(params, m, steps)
+    for j in range(k):
+        got = torch.cat([t[:, j].reshape(n, -1) for t in params.values()], 1)
+        torch.testing.assert_close(got, expected[j], rtol=1e-5, atol=1e-6)

@@ -23,7 +23,16 @@ import httpx
 import pika
 import pytest
 import torch
-from runtime_fixtures import TOKEN, Api, free_port, free_port_block, log_tails, rotated_mnist, running_stack
+from runtime_fixtures import (
+    TOKEN,
+    Api,
+    free_port,
+    free_port_block,
+    log_tails,
+    rotated_mnist,
+    running_stack,
+    total_rounds,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
@@ -131,7 +140,7 @@ def test_end_to_end_over_rest_with_bad_input(rabbitmq_url: str, tmp_path: Path) 
         assert final["status"] == "completed", final
         assert final["failed_clients"] == []
         summary = api.summary(experiment)
-        assert summary["clients"] == 24 and summary["rounds_completed"] == cfg["rounds"]
+        assert summary["clients"] == 24 and summary["rounds_completed"] == total_rounds(cfg)
         assert summary["cluster_ari"] >= ARI_BAR, summary
         assert summary["test_accuracy"] >= ACCURACY_BAR, summary
         messages = summary["messages"]
@@ -142,10 +151,10 @@ def test_end_to_end_over_rest_with_bad_input(rabbitmq_url: str, tmp_path: Path) 
         assert messages["applied"] > 0 and messages["timeouts"] == 0
 
         history = api.metrics.get(f"/experiments/{experiment}/metrics").json()["history"]
-        assert [h["round"] for h in history] == list(range(1, cfg["rounds"] + 1))
+        assert [h["round"] for h in history] == list(range(1, total_rounds(cfg) + 1))
         prometheus = api.metrics.get("/metrics").text
         assert f'dfca_messages_rejected_total{{experiment="{experiment}",reason="spoofed"}}' in prometheus
-        assert f'dfca_experiment_round{{experiment="{experiment}"}} {float(cfg["rounds"])}' in prometheus
+        assert f'dfca_experiment_round{{experiment="{experiment}"}} {float(total_rounds(cfg))}' in prometheus
         with api.metrics.stream("GET", f"/experiments/{experiment}/events") as events:
             body = "".join(events.iter_text())
         assert "event: status" in body and "event: summary" in body
@@ -183,7 +192,7 @@ def test_synchronous_batch_run_matches_the_simulator(stack: Stack) -> None:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata()
         clients = json.loads(meta["clients"])
-        assert clients == clients_of(ordinal, 3, 12) and int(meta["round"]) == cfg["rounds"] - 1
+        assert clients == clients_of(ordinal, 3, 12) and int(meta["round"]) == total_rounds(cfg) - 1
         tensors = load_file(str(path))
         for name, simulated_params in sim.algorithm.params.items():
             torch.testing.assert_close(tensors[f"params.{name}"], simulated_params[clients], rtol=1e-4, atol=1e-5)
@@ -194,7 +203,7 @@ def test_worker_killed_midway_resumes_from_its_checkpoint(stack: Stack, simulate
     cfg = rotated_mnist(name="restart")
     api = Api.of(stack)
     experiment = api.create_and_start(cfg)
-    api.wait_round(experiment, 4)  # ~40% of 10 rounds
+    api.wait_round(experiment, 4)  # round 4 of 18: in or just after the 8 seeding rounds
     old_pid = stack.services["worker-1"].pid
     stack.kill("worker-1", signal.SIGKILL)  # the supervisor starts it again, like Kubernetes
     final = api.wait_finished(experiment)
@@ -223,7 +232,8 @@ def test_worker_killed_for_good_is_reported_and_the_rest_completes(stack: Stack)
     assert final["status"] == "completed", final
     assert final["failed_clients"] == lost
     assert final["worker_states"]["2"]["state"] == "dead"
-    assert all(final["worker_states"][w]["state"] == "finished" and final["worker_states"][w]["round"] == 10
+    rounds = total_rounds(cfg)
+    assert all(final["worker_states"][w]["state"] == "finished" and final["worker_states"][w]["round"] == rounds
                for w in ("0", "1"))
     summary = api.summary(experiment)
     assert summary["failed_clients"] == lost and summary["clients"] == 24 - len(lost)

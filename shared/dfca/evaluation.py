@@ -8,7 +8,7 @@ from scipy.optimize import linear_sum_assignment
 from sklearn.metrics import adjusted_rand_score
 from torch import Tensor
 
-from dfca.core.params import flatten_cluster
+from dfca.core.params import cluster_views
 from dfca.models import Params
 
 
@@ -37,11 +37,11 @@ def populated_clusters(assigned: Tensor) -> int:
 def disagreement(params: Params) -> list[float]:
     """Disp_j = 1/N sum_i ||theta_ij - mean_i theta_ij||^2, per cluster j."""
     k = next(iter(params.values())).shape[1]
-    out = []
-    for j in range(k):
-        flat = flatten_cluster(params, j)
-        out.append(float(((flat - flat.mean(0)) ** 2).sum(1).mean()))
-    return out
+    # the population variance over clients, summed over coordinates, is exactly Disp_j (one pass, no temporaries)
+    return [float(sum(v.var(0, unbiased=False).sum() for v in cluster_views(params, j))) for j in range(k)]
+
+
+EDGE_CHUNK_BYTES = 1 << 27  # the models of one chunk of edge ends gathered at once (128 MiB)
 
 
 @torch.no_grad()
@@ -55,13 +55,18 @@ def index_consistency(params: Params, adjacency: Tensor) -> float:
     k = next(iter(params.values())).shape[1]
     if k == 1:
         return 1.0
-    flats = torch.stack([flatten_cluster(params, j) for j in range(k)], dim=1)  # [N, k, D]
     src, dst = torch.nonzero(torch.triu(adjacency, diagonal=1), as_tuple=True)
     if src.numel() == 0:
         return 1.0
+    n = adjacency.shape[0]
+    per_client = [t.view(n, k, -1) for t in params.values()]  # [N, k, D_t] views, no copy
+    norms = sum((v * v).sum(2) for v in per_client)  # [N, k] squared norms
+    size = sum(v.shape[2] for v in per_client) * k * 4
+    chunk = max(1, EDGE_CHUNK_BYTES // size)
     consistent = 0
-    for lo in range(0, src.numel(), 256):
-        a, b = flats[src[lo : lo + 256]], flats[dst[lo : lo + 256]]
-        dist = torch.cdist(a, b)  # [E, k, k]
+    for lo in range(0, src.numel(), chunk):
+        a, b = src[lo : lo + chunk], dst[lo : lo + chunk]
+        dots = sum(torch.bmm(v.index_select(0, a), v.index_select(0, b).transpose(1, 2)) for v in per_client)
+        dist = norms[a].unsqueeze(2) + norms[b].unsqueeze(1) - 2 * dots  # [E, k, k] squared L2
         consistent += int((dist.argmin(2) == torch.arange(k)).all(1).sum())
     return consistent / src.numel()

@@ -135,6 +135,7 @@ def simulate(
         if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.total_rounds:
             record = round_record(algo, t, truth, cfg.clusters, ctx.adjacency, sample)
             record["seconds"] = time.perf_counter() - t0
+            record["phase"] = "seeding" if t < cfg.seeding_rounds else "training"
             record["warnings"] = watch.observe(record)
             history.append(record)
             if on_round is not None:

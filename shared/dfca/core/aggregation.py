@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dfca.core.params import flatten_cluster, unflatten_into
+from dfca.core.params import cluster_views
 from dfca.models import Params
 
 
@@ -56,12 +56,32 @@ def mixing_matrices(delivered: Tensor, sent_cluster: Tensor, self_w: Tensor) -> 
 
 @torch.no_grad()
 def mix_clusters(params: Params, W: Tensor, extra: Tensor | None = None) -> None:
-    """theta_{.,j} <- W[j] @ [theta_{.,j}; extra] for every cluster j, in place (dense mixing).
+    """theta_{.,j} <- W[j] @ [theta_{.,j}; extra] for every cluster j, in place (eq. 7 as a matrix product).
 
     extra [S - N, D]: flattened extra source models, the columns of W beyond N.
+    Only the source columns with weight off the diagonal (the clients that trained j) enter the
+    product, in place on views of the parameters: about k times fewer multiply-adds than the dense
+    [N, S] product, and no flattened copy of the models. A row that is e_i keeps its model exactly
+    (times 1, plus 0).
     """
+    n = next(iter(params.values())).shape[0]
+    idx = torch.arange(n)
     for j in range(W.shape[0]):
-        flat = flatten_cluster(params, j)
-        if extra is not None:
-            flat = torch.cat([flat, extra])
-        unflatten_into(params, j, W[j] @ flat)
+        off = W[j].clone()
+        own = off[idx, idx].clone()
+        off[idx, idx] = 0.0
+        if not (off.any() or (own != 1.0).any()):
+            continue  # nothing arrived for cluster j anywhere
+        cols = off.any(0).nonzero().squeeze(1)
+        inner, outer = cols[cols < n], cols[cols >= n] - n
+        weights, keep = off[:, cols], own.unsqueeze(1)
+        offset = 0
+        for view in cluster_views(params, j):
+            size = view.shape[1]
+            src = view.index_select(0, inner)
+            if outer.numel():
+                if extra is None:
+                    raise ValueError("W has columns beyond N but no extra models were given")
+                src = torch.cat([src, extra[outer, offset : offset + size].to(view.dtype)])
+            view.mul_(keep).addmm_(weights, src)
+            offset += size

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from dfca.config import ExperimentConfig
-from dfca.core.params import flatten_cluster, unflatten_into
+from dfca.core.params import cluster_views
 from dfca.models import Params
 
 MIN_WEIGHT = 1e-3  # den below this: no trained copy has reached the client (keep its own model)
@@ -84,15 +84,22 @@ def ratio_consensus(params: Params, trained: Tensor, steps: Tensor | list[Tensor
     trained [N, k]: the weights m (consensus_weights); steps: the gossip matrices of the G steps.
     """
     mats = [steps] if isinstance(steps, Tensor) else steps
+    walk = mats[0]
+    for P in mats[1:]:  # P_G ... P_1: one [N, N] product, then one pass over the parameters per cluster
+        walk = P @ walk
     for j in range(trained.shape[1]):
         m = trained[:, j].float()
-        flat = flatten_cluster(params, j)
-        num, den = m.unsqueeze(1) * flat, m
-        for P in mats:
-            num, den = P @ num, P @ den
-        reached = den > MIN_WEIGHT
-        new = torch.where(reached.unsqueeze(1), num / den.clamp_min(MIN_WEIGHT).unsqueeze(1), flat)
-        unflatten_into(params, j, new)
+        src = m.nonzero().squeeze(1)  # only copies with weight enter num: about N/k columns, not N
+        den = walk[:, src] @ m[src]
+        reached = den > MIN_WEIGHT  # a trained copy reached the client; the others keep their own
+        if not reached.any():
+            continue
+        coeff = walk[:, src] * m[src].unsqueeze(0) / den.clamp_min(MIN_WEIGHT).unsqueeze(1)  # num/den as [N, S]
+        coeff[~reached] = 0.0
+        keep = (~reached).float().unsqueeze(1)
+        for view in cluster_views(params, j):
+            trained_copies = view.index_select(0, src)  # before the in-place update below
+            view.mul_(keep).addmm_(coeff, trained_copies)
 
 
 def ratio_estimate(num: Tensor, den: Tensor, own: Tensor) -> Tensor:

@@ -50,6 +50,21 @@ def flatten_cluster(params: Params, j: int) -> Tensor:
     return torch.cat([t[:, j].reshape(t.shape[0], -1) for t in params.values()], dim=1)
 
 
+def cluster_views(params: Params, j: int) -> list[Tensor]:
+    """Cluster j as one [M, D_t] view per tensor, in the order of `params`: writing a view writes params.
+
+    No copy (unlike flatten_cluster), so large models mix in place; needs each [M, k, ...] tensor to be
+    contiguous after its first dimension, as every stack built here is.
+    """
+    views = []
+    for name, t in params.items():
+        try:
+            views.append(t[:, j].view(t.shape[0], -1))
+        except RuntimeError as e:
+            raise ValueError(f"parameter {name!r} is not laid out [M, k, ...] contiguously: {e}") from e
+    return views
+
+
 def unflatten_into(params: Params, j: int, flat: Tensor) -> None:
     offset = 0
     for t in params.values():

@@ -1,0 +1,47 @@
+"""Disp_j and the cross-client index consistency, against their definitions on small models."""
+
+from __future__ import annotations
+
+import torch
+
+from dfca.evaluation import disagreement, index_consistency
+
+
+def params_of(n: int, k: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, k, 5, 3, generator=g), "b": torch.randn(n, k, 3, generator=g)}
+
+
+def flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    n, k = params["w"].shape[:2]
+    return torch.cat([t.reshape(n, k, -1) for t in params.values()], 2)
+
+
+def test_disagreement_is_mean_squared_distance_to_the_network_mean() -> None:
+    params = params_of(7, 3, seed=0)
+    f = flat(params)
+    expected = [float(((f[:, j] - f[:, j].mean(0)) ** 2).sum(1).mean()) for j in range(3)]
+    for got, want in zip(disagreement(params), expected, strict=True):
+        assert abs(got - want) < 1e-4 * max(1.0, want)
+    same = {name: t[:1].repeat(7, 1, *[1] * (t.dim() - 2)) for name, t in params.items()}
+    assert disagreement(same) == [0.0, 0.0, 0.0]
+
+
+def test_index_consistency_counts_edges_whose_nearest_match_is_the_identity() -> None:
+    n, k = 6, 3
+    base = params_of(1, k, seed=1)
+    params = {name: t.repeat(n, 1, *[1] * (t.dim() - 2)) + 0.01 * torch.randn(n, k, *t.shape[2:])
+              for name, t in base.items()}
+    ring = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        ring[i, (i + 1) % n] = ring[(i + 1) % n, i] = True
+    assert index_consistency(params, ring) == 1.0
+    for t in params.values():  # client 2 swaps its clusters 0 and 1: its two ring edges disagree
+        t[2, [0, 1]] = t[2, [1, 0]].clone()
+    assert index_consistency(params, ring) == (n - 2) / n
+    # against the definition: nearest cluster by L2 over all parameters, per edge
+    f = flat(params)
+    src, dst = torch.nonzero(torch.triu(ring, 1), as_tuple=True)
+    ok = sum(bool((torch.cdist(f[a], f[b]).argmin(1) == torch.arange(k)).all()) for a, b in zip(src, dst, strict=True))
+    assert index_consistency(params, ring) == ok / src.numel()
+    assert index_consistency(params, torch.zeros(n, n, dtype=torch.bool)) == 1.0  # no edges
