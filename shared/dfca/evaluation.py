@@ -37,7 +37,7 @@ def populated_clusters(assigned: Tensor) -> int:
 def disagreement(params: Params) -> list[float]:
     """Disp_j = 1/N sum_i ||theta_ij - mean_i theta_ij||^2, per cluster j."""
     k = next(iter(params.values())).shape[1]
-    # the population variance over clients, summed over coordinates, is exactly Disp_j (one pass, no temporaries)
+    # the population variance over clients, summed over coordinates, is exactly Disp_j (no [N, D] temporaries)
     return [float(sum(v.var(0, unbiased=False).sum() for v in cluster_views(params, j))) for j in range(k)]
 
 

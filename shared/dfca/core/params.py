@@ -63,11 +63,3 @@ def cluster_views(params: Params, j: int) -> list[Tensor]:
         except RuntimeError as e:
             raise ValueError(f"parameter {name!r} is not laid out [M, k, ...] contiguously: {e}") from e
     return views
-
-
-def unflatten_into(params: Params, j: int, flat: Tensor) -> None:
-    offset = 0
-    for t in params.values():
-        size = t[0, j].numel()
-        t[:, j] = flat[:, offset : offset + size].reshape(t[:, j].shape)
-        offset += size
