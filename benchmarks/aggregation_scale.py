@@ -24,32 +24,28 @@ from rich.table import Table
 
 from dfca.core import mix_clusters, mixing_matrices, self_weights
 from dfca.core.consensus import consensus_weights, gossip_matrix, ratio_consensus
+from dfca.core.params import cluster_views, flatten_cluster
 from dfca.models import MLP, Params
 
 PROBE = 30  # compare every 30th client's models between the two sides
 
 
-def flat_cluster(params: Params, j: int) -> torch.Tensor:
-    n = next(iter(params.values())).shape[0]
-    return torch.cat([t[:, j].reshape(n, -1) for t in params.values()], 1)
-
-
 def write_back(params: Params, j: int, flat: torch.Tensor) -> None:
+    """The inverse of flatten_cluster: write [N, D] back into cluster j."""
     offset = 0
-    for t in params.values():
-        size = t[0, j].numel()
-        t[:, j] = flat[:, offset : offset + size].reshape(t[:, j].shape)
-        offset += size
+    for view in cluster_views(params, j):
+        view.copy_(flat[:, offset : offset + view.shape[1]])
+        offset += view.shape[1]
 
 
 def dense_mix(params: Params, W: torch.Tensor) -> None:
     for j in range(W.shape[0]):
-        write_back(params, j, W[j] @ flat_cluster(params, j))
+        write_back(params, j, W[j] @ flatten_cluster(params, j))
 
 
 def dense_consensus(params: Params, m: torch.Tensor, steps: list[torch.Tensor]) -> None:
     for j in range(m.shape[1]):
-        flat = flat_cluster(params, j)
+        flat = flatten_cluster(params, j)
         num, den = m[:, j : j + 1] * flat, m[:, j]
         for P in steps:
             num, den = P @ num, P @ den

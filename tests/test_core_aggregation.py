@@ -17,6 +17,8 @@ from dfca.core import (
     self_weights,
     train_assigned,
 )
+from dfca.core.consensus import consensus_weights, gossip_matrix, ratio_consensus
+from dfca.core.params import flatten_cluster
 from dfca.models import MLP
 
 
@@ -142,19 +144,24 @@ def dense_mix(params: dict[str, torch.Tensor], W: torch.Tensor, extra: torch.Ten
     """The definition: theta_{.,j} <- W[j] @ [theta_{.,j}; extra], on flattened copies. -> [N, k, D]."""
     out = []
     for j in range(W.shape[0]):
-        flat = torch.cat([t[:, j].reshape(t.shape[0], -1) for t in params.values()], 1)
+        flat = flatten_cluster(params, j)
         out.append(W[j] @ (flat if extra is None else torch.cat([flat, extra])))
     return torch.stack(out, 1)
+
+
+def all_clusters(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[N, k, D]: every cluster flattened."""
+    return torch.stack([flatten_cluster(params, j) for j in range(params["w"].shape[1])], 1)
 
 
 @pytest.mark.parametrize("merge", ["paper", "fresh"])
 @pytest.mark.parametrize("late", [0, 3])
 def test_mix_clusters_equals_the_dense_product(merge: str, late: int) -> None:
-    """mix_clusters computes only changed rows and weighted columns; the result is W[j] @ theta_j all the same."""
+    """mix_clusters multiplies only the weighted columns, in place; the result is W[j] @ theta_j all the same."""
     n, k = 12, 3
     g = torch.Generator().manual_seed(4)
     params = random_params(n, k, seed=4)
-    flat_before = torch.stack([torch.cat([t[:, j].reshape(n, -1) for t in params.values()], 1) for j in range(k)], 1)
+    flat_before = all_clusters(params)
     delivered = torch.rand(n, n + late, generator=g) < 0.25
     delivered[:, :n] &= ~torch.eye(n, dtype=torch.bool)
     delivered[0] = False  # a client that hears nothing keeps its models
@@ -164,7 +171,7 @@ def test_mix_clusters_equals_the_dense_product(merge: str, late: int) -> None:
     W = mixing_matrices(delivered, sent, self_weights(sent[:n], k, merge))
     expected = dense_mix(params, W, extra)
     mix_clusters(params, W, extra=extra)
-    got = torch.stack([torch.cat([t[:, j].reshape(n, -1) for t in params.values()], 1) for j in range(k)], 1)
+    got = all_clusters(params)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(got[0], flat_before[0])
     assert not torch.equal(got, flat_before)
@@ -173,8 +180,6 @@ def test_mix_clusters_equals_the_dense_product(merge: str, late: int) -> None:
 @pytest.mark.parametrize("untrained_weight", [0.0, 0.3])
 def test_ratio_consensus_equals_the_dense_ratio(untrained_weight: float) -> None:
     """theta_j <- P^G (m_j theta_j) / P^G m_j where reached, else the own copy (core.consensus)."""
-    from dfca.core.consensus import consensus_weights, gossip_matrix, ratio_consensus
-
     n, k = 14, 3
     g = torch.Generator().manual_seed(5)
     params = random_params(n, k, seed=5)
@@ -188,10 +193,9 @@ def test_ratio_consensus_equals_the_dense_ratio(untrained_weight: float) -> None
     walk = steps[0] @ steps[0] @ steps[0]
     expected = []
     for j in range(k):
-        flat = torch.cat([t[:, j].reshape(n, -1) for t in params.values()], 1)
+        flat = flatten_cluster(params, j)
         num, den = walk @ (m[:, j : j + 1] * flat), walk @ m[:, j]
         expected.append(torch.where((den > 1e-3).unsqueeze(1), num / den.clamp_min(1e-3).unsqueeze(1), flat))
     ratio_consensus(params, m, steps)
     for j in range(k):
-        got = torch.cat([t[:, j].reshape(n, -1) for t in params.values()], 1)
-        torch.testing.assert_close(got, expected[j], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(flatten_cluster(params, j), expected[j], rtol=1e-5, atol=1e-6)
