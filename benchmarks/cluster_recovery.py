@@ -41,6 +41,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from dfca.config import ExperimentConfig  # noqa: E402
+from dfca.schedule import RoundSchedule  # noqa: E402
 from dfca.simulator import simulate  # noqa: E402
 
 ER, BA = "erdos_renyi", "barabasi_albert"
@@ -251,7 +252,7 @@ def main() -> None:
                 began = time.perf_counter()
                 cfg = config(setting, COLUMNS[name], seed, rounds, args.max_train)
                 result = simulate(cfg)
-                s, skip = result.summary, cfg.seeding_rounds
+                s, skip = result.summary, RoundSchedule(cfg).seeding_rounds
                 run = {"setting": setting["label"], "column": name, "seed": seed, "rounds": rounds,
                        "seeding_rounds": skip, "ari": s["cluster_ari"], "acc": s["test_accuracy"],
                        "populated": s["populated_clusters"], "bytes_per_round": s["bytes_sent_per_client_per_round"],

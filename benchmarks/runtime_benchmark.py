@@ -42,7 +42,7 @@ from dfca.runtime.metrics_store import MetricsStore
 from dfca.settings import DEFAULT_BROKER_URL
 from dfca.simulator import simulate
 from dfca.transport import RabbitMQTransport
-from dfca.wire import ModelUpdate, encode_update
+from dfca.wire import Envelope, TensorSpec, encode_message
 
 TOKEN = "benchmark"
 
@@ -125,7 +125,8 @@ def free_port_block(size: int) -> int:
 def model_payload(hidden: int) -> tuple[bytes, dict[str, str]]:
     model = build_model("mlp", (1, 28, 28), hidden, 10)
     params = {name: torch.randn(shape) for name, shape in model.shapes().items()}
-    return encode_update(ModelUpdate("bench", 1, 0, 0, 80, params))
+    return encode_message(Envelope("bench", 1, 0, "models", 0, 0, params),
+                          {name: TensorSpec(shape) for name, shape in model.shapes().items()})
 
 
 def declare_queue(url: str, queue: str, key: str) -> None:

@@ -2,10 +2,12 @@
 
     python benchmarks/simulator_round.py [--clients 100] [--hidden 200] [--batch 10] [--epochs 5] [--rounds 3]
 
-Prints one table: the vectorized simulator's round (training, assignment/inference, aggregation),
-the same round done the way reference implementations do it (one nn.Module and optimizer step per
-client, state dicts averaged in Python), their ratio, and the training GFLOP/s achieved against a
-plain torch matmul measured in the same run. Goal: simulator round <= 0.5x the per-client loop.
+Prints one table: the simulator's round of DFCA's paper rule (dfca.simulator.Simulation, timed by phase:
+training is the algorithm's `begin_round`, aggregation its exchange, assignment/inference the next
+round's loss matrix and the evaluation), the same round done the way reference implementations do it
+(one nn.Module and optimizer step per client, state dicts averaged in Python), their ratio, and the
+training GFLOP/s achieved against a plain torch matmul measured in the same run. Goal: simulator round
+<= 0.5x the per-client loop.
 """
 
 from __future__ import annotations
@@ -18,19 +20,9 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
+from dfca.algorithms import Algorithm
 from dfca.config import ExperimentConfig
-from dfca.core import (
-    assign_clusters,
-    init_cluster_models,
-    loss_matrix,
-    mix_clusters,
-    mixing_matrices,
-    round_seeds,
-    self_weights,
-    train_assigned,
-)
-from dfca.core.assignment import accuracy_with
-from dfca.simulator import prepare
+from dfca.simulator import Simulation, prepare
 
 
 def config(args: argparse.Namespace) -> ExperimentConfig:
@@ -40,27 +32,32 @@ def config(args: argparse.Namespace) -> ExperimentConfig:
                  "train_per_client": args.train, "test_per_client": 10, "permute_per_cluster": True},
         "model": {"kind": "mlp", "hidden": args.hidden},
         "train": {"lr": 0.1, "local_epochs": args.epochs, "batch_size": args.batch},
-        "topology": {"kind": "erdos_renyi", "p": 0.15},
+        "topology": {"kind": "erdos_renyi", "p": 0.15}, "dfca": {"variant": "paper"},
     })
 
 
-def vectorized_round(ctx, params, t: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    cfg, d, model = ctx.cfg, ctx.data, ctx.model
-    clients = list(range(ctx.n))
+def timed_phases(algo: Algorithm, times: dict[str, float]) -> None:
+    """Wrap the algorithm's steps so that each call adds its seconds to its phase."""
+    phases = {"begin_round": "training", "send": "aggregation", "receive": "aggregation",
+              "end_exchange": "aggregation", "end_round": "assignment + inference",
+              "evaluate": "assignment + inference"}
+    for method, phase in phases.items():
+        step = getattr(algo, method)
+
+        def wrapper(*args, step=step, phase=phase):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            out = step(*args)
+            times[phase] = times.get(phase, 0.0) + time.perf_counter() - t0
+            return out
+
+        setattr(algo, method, wrapper)
+
+
+def vectorized_round(sim: Simulation, t: int) -> dict[str, float]:
     times: dict[str, float] = {}
-    t0 = time.perf_counter()
-    losses = loss_matrix(model, params, d.x_train, d.y_train)
-    assigned = assign_clusters(losses)
-    accuracy_with(model, params, assigned, d.x_test, d.y_test)
-    times["assignment + inference"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    train_assigned(model, params, assigned, d.x_train, d.y_train, lr=cfg.train.lr,
-                   epochs=cfg.train.local_epochs, batch_size=cfg.train.batch_size,
-                   seeds=round_seeds(cfg.seed, clients, t))
-    times["training"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    mix_clusters(params, mixing_matrices(ctx.adjacency, assigned, self_weights(assigned, cfg.clusters, "paper")))
-    times["aggregation"] = time.perf_counter() - t0
+    timed_phases(sim.algorithm, times)
+    sim.run_round(t)
+    sim.algorithm.evaluate()
     return times
 
 
@@ -140,11 +137,12 @@ def main() -> None:
     torch.set_flush_denormal(True)
     ctx = prepare(config(args))
     cfg = ctx.cfg
-    params = init_cluster_models(ctx.model, list(range(ctx.n)), cfg.clusters, cfg.seed, "global")
+    sim = Simulation(ctx)
+    params = {n: t.clone() for n, t in sim.algorithm.params.items()}  # type: ignore[attr-defined]
     states = [[{"fc1.weight": params["w1"][i, j].T.clone(), "fc1.bias": params["b1"][i, j].clone(),
                 "fc2.weight": params["w2"][i, j].T.clone(), "fc2.bias": params["b2"][i, j].clone()}
                for j in range(cfg.clusters)] for i in range(ctx.n)]
-    vec = [vectorized_round(ctx, params, t) for t in range(args.rounds)]
+    vec = [vectorized_round(sim, t) for t in range(args.rounds)]
     ref = [per_client_round(ctx, states) for _ in range(args.rounds)]
     phases = ["training", "assignment + inference", "aggregation"]
 

@@ -1,5 +1,5 @@
-"""The baselines' pure math: Metropolis-Hastings gossip, FedSPD eq. 1 and eq. 2, the IFCA server average,
-per-datapoint clustering and masked local SGD."""
+"""The baselines' pure math: Metropolis-Hastings gossip, FedSPD eq. 1 and eq. 2, the IFCA server average (each a
+weighted running average, core.aggregation.fold_models), per-datapoint clustering and masked local SGD."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import networkx as nx
 import pytest
 import torch
 
-from dfca.core import mix_clusters
-from dfca.core.mixing import delivered_weights, metropolis_hastings_weights, selected_cluster_mixing
-from dfca.core.server_average import ifca_server_average
+from dfca.core import fold_models
+from dfca.core.mixing import metropolis_hastings_weights
 from dfca.core.soft_assignment import (
     datapoint_clusters,
     draw_clusters,
@@ -45,16 +44,26 @@ def test_metropolis_hastings_weight_of_an_edge() -> None:
     torch.testing.assert_close(metropolis_hastings_weights(adjacency), expected)
 
 
+def mh_gossip(params: dict[str, torch.Tensor], W: torch.Tensor, delivered: torch.Tensor) -> None:
+    """DFedAvgM's step as the algorithm folds it: own weight w_ii, then w_im for every model that arrived."""
+    n = W.shape[0]
+    sources = {name: t[:, 0].clone() for name, t in params.items()}
+    fold_models(params, W.diagonal().unsqueeze(1).clone(), delivered.float() * W, torch.zeros(n, dtype=torch.long),
+                sources)
+
+
 def test_lost_message_is_renormalised_away() -> None:
     adjacency = torch.tensor([[0, 1, 0], [1, 0, 1], [0, 1, 0]], dtype=torch.bool)
     W = metropolis_hastings_weights(adjacency)
+    x = {"w": torch.tensor([[[1.0]], [[2.0]], [[4.0]]])}  # [3 clients, 1 model, 1]
     delivered = adjacency.clone()
     delivered[1, 2] = False  # client 1 does not hear from 2
-    mixed = delivered_weights(W, delivered)
-    torch.testing.assert_close(mixed[1], torch.tensor([0.5, 0.5, 0.0]))  # (1/3, 1/3) renormalised
-    torch.testing.assert_close(mixed[0], W[0])  # rows that lost nothing are unchanged
-    lonely = delivered_weights(W, torch.zeros(3, 3, dtype=torch.bool))
-    torch.testing.assert_close(lonely, torch.eye(3))
+    mh_gossip(x, W, delivered)
+    torch.testing.assert_close(x["w"][1, 0], torch.tensor([0.5 * 2.0 + 0.5 * 1.0]))  # (1/3, 1/3) renormalised
+    torch.testing.assert_close(x["w"][0, 0], torch.tensor([2 / 3 * 1.0 + 1 / 3 * 2.0]))  # lost nothing: W's row
+    lonely = {"w": torch.tensor([[[1.0]], [[2.0]], [[4.0]]])}
+    mh_gossip(lonely, W, torch.zeros(3, 3, dtype=torch.bool))
+    torch.testing.assert_close(lonely["w"], torch.tensor([[[1.0]], [[2.0]], [[4.0]]]))
 
 
 def test_gossip_with_metropolis_hastings_keeps_the_mean_and_reaches_consensus() -> None:
@@ -65,19 +74,22 @@ def test_gossip_with_metropolis_hastings_keeps_the_mean_and_reaches_consensus() 
     mean = params["w"].mean(0).clone()
     spread = float(params["w"].var(0).sum())
     for _ in range(60):
-        mix_clusters(params, delivered_weights(W, adjacency).unsqueeze(0))
+        mh_gossip(params, W, adjacency)
     torch.testing.assert_close(params["w"].mean(0), mean, rtol=1e-5, atol=1e-5)
     assert float(params["w"].var(0).sum()) < 1e-3 * spread
 
 
 def test_fedspd_eq1_averages_only_the_neighbours_that_updated_the_same_cluster() -> None:
-    """Star around client 0. Clients 0, 1, 3 update cluster 0; client 2 updates cluster 1."""
+    """Star around client 0. Clients 0, 1, 3 update cluster 0; client 2 updates cluster 1. Eq. 1 as FedSPD folds
+    it: the own copy weighs 1 for the selected cluster only, and only models of that cluster join."""
     adjacency = torch.tensor([[0, 1, 1, 1], [1, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
     selected = torch.tensor([0, 0, 1, 0])
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(4, 2, 5, generator=g)}
     before = params["w"].clone()
-    mix_clusters(params, selected_cluster_mixing(adjacency, selected, selected, 2))
+    sent = {"w": before[torch.arange(4), selected]}
+    same = adjacency & (selected.unsqueeze(0) == selected.unsqueeze(1))
+    fold_models(params, torch.nn.functional.one_hot(selected, 2).float(), same, selected, sent)
     w = params["w"]
     torch.testing.assert_close(w[0, 0], (before[0, 0] + before[1, 0] + before[3, 0]) / 3)
     torch.testing.assert_close(w[1, 0], (before[1, 0] + before[0, 0]) / 2)
@@ -89,18 +101,21 @@ def test_fedspd_eq1_averages_only_the_neighbours_that_updated_the_same_cluster()
 
 
 def test_ifca_server_average_weights_by_samples_and_keeps_unreturned_clusters() -> None:
-    models = {"w": torch.zeros(3, 2), "b": torch.full((3,), 7.0)}
+    """The server's fold: the old model weighs 0, each upload its sample count."""
+    models = {"w": torch.zeros(1, 3, 2), "b": torch.full((1, 3), 7.0)}
     updates = {"w": torch.tensor([[1.0, 1.0], [4.0, 4.0], [10.0, 0.0]]), "b": torch.tensor([1.0, 2.0, 3.0])}
     clusters = torch.tensor([0, 0, 2])
-    samples = torch.tensor([30, 10, 5])
-    out = ifca_server_average(models, updates, clusters, samples)
+    samples = torch.tensor([[30.0, 10.0, 5.0]])
+    fold_models(models, torch.zeros(1, 3), samples, clusters, updates)
+    out = {n: t[0] for n, t in models.items()}
     torch.testing.assert_close(out["w"][0], torch.tensor([1.75, 1.75]))  # (30 * 1 + 10 * 4) / 40
     torch.testing.assert_close(out["b"][0], torch.tensor(1.25))
     torch.testing.assert_close(out["w"][1], torch.zeros(2))  # nobody returned cluster 1
     torch.testing.assert_close(out["b"][1], torch.tensor(7.0))
     torch.testing.assert_close(out["w"][2], torch.tensor([10.0, 0.0]))
-    nothing = ifca_server_average(models, {n: t[:0] for n, t in updates.items()}, clusters[:0], samples[:0])
-    torch.testing.assert_close(nothing["w"], models["w"])  # every upload missed the deadline: no change
+    untouched = {"w": torch.zeros(1, 3, 2)}
+    fold_models(untouched, torch.zeros(1, 3), torch.zeros(1, 0), clusters[:0], {"w": updates["w"][:0]})
+    torch.testing.assert_close(untouched["w"], torch.zeros(1, 3, 2))  # every upload missed the deadline
 
 
 def test_datapoint_clusters_and_shares() -> None:

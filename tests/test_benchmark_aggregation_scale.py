@@ -1,4 +1,4 @@
-"""benchmarks/aggregation_scale.py runs end to end at a tiny scale, and its two sides agree."""
+"""benchmarks/aggregation_scale.py runs end to end at a tiny scale, and its two sides compute the same models."""
 
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ def test_aggregation_benchmark_prints_ratios_and_equal_results() -> None:
     )
     rows = [line for line in run.stdout.splitlines() if "MLP h=16" in line]
     assert len(rows) == 2, run.stdout  # eq. 7 mixing and ratio consensus
-    for row in rows:
-        ratio = re.search(r"([0-9.]+)x", row)
+    for row in rows:  # timings are the benchmark's business; the test holds it to computing the same models
         diff = re.search(r"([0-9.]+e[-+][0-9]+)\s*│\s*$", row)
-        assert ratio is not None and float(ratio.group(1)) > 0, row
         assert diff is not None and float(diff.group(1)) < 1e-5, row  # core == dense definition

@@ -66,7 +66,9 @@ def test_dfca_li_completes_and_reports_ari(tmp_path: Path) -> None:
     result = runner.invoke(app, ["run", str(write(tmp_path, cfg)), "--out", str(out)])
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
-    assert -1.0 <= summary["cluster_ari"] <= 1.0 and summary["init"] == "local"
+    assert summary["init"] == "local" and summary["seeding_rounds"] > 0  # robust DFCA-LI seeds first
+    assert summary["cluster_ari"] >= 0.95 and summary["populated_clusters"] == 2, summary  # measured: 1.00
+    assert summary["test_accuracy"] >= 0.75, summary  # measured: 0.848
 
 
 def test_same_config_and_seed_give_the_same_numbers(tmp_path: Path) -> None:

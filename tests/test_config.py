@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from dfca.config import ConfigError, ExperimentConfig, load_config, parse_config
+from dfca.schedule import RoundSchedule
 
 
 def test_defaults_are_valid() -> None:
@@ -58,12 +59,12 @@ def test_robust_default_seeds_before_its_training_rounds() -> None:
     cfg = parse_config({"clusters": 4, "rounds": 10, "data": {"clients": 32},
                         "topology": {"kind": "erdos_renyi", "p": 0.2}})
     assert cfg.dfca.variant == "robust" and cfg.dfca.seeding_rule == "farthest"
-    assert cfg.seeding_rounds == 4 * 5  # k x the diameter bound of ER N=32 p=0.2
-    assert cfg.total_rounds == 10 + 20
+    assert RoundSchedule(cfg).seeding_rounds == 4 * 5  # k x the diameter bound of ER N=32 p=0.2
+    assert RoundSchedule(cfg).total_rounds == 10 + 20
     flood = parse_config({**cfg.model_dump(), "dfca": {"flood_rounds": 2}})
-    assert flood.seeding_rounds == 8 and flood.total_rounds == 18
+    assert RoundSchedule(flood).seeding_rounds == 8 and RoundSchedule(flood).total_rounds == 18
     for other in ({"dfca": {"variant": "paper"}}, {"dfca": {"seeding": "none"}}, {"algorithm": "ifca"}):
         plain = parse_config({**cfg.model_dump(), **other})
-        assert plain.seeding_rounds == 0 and plain.total_rounds == 10, other
+        assert RoundSchedule(plain).seeding_rounds == 0 and RoundSchedule(plain).total_rounds == 10, other
     seeded_paper = parse_config({**cfg.model_dump(), "dfca": {"variant": "paper", "seeding": "farthest"}})
-    assert seeded_paper.seeding_rounds == 20
+    assert RoundSchedule(seeded_paper).seeding_rounds == 20

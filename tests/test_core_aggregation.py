@@ -1,4 +1,4 @@
-"""The core's math: running average (eq. 8) == batch average (eq. 7); argmin assignment (eq. 4)."""
+"""The core's math: running average (eq. 8) == batch average (eq. 7); argmin assignment (eq. 4); ratio consensus."""
 
 from __future__ import annotations
 
@@ -9,15 +9,13 @@ import torch
 
 from dfca.core import (
     assign_clusters,
+    fold_models,
     gather_clusters,
-    mix_clusters,
-    mixing_matrices,
-    running_average,
     scatter_clusters,
     self_weights,
     train_assigned,
 )
-from dfca.core.consensus import consensus_weights, gossip_matrix, ratio_consensus
+from dfca.core.consensus import StepConsensus, WalkConsensus, consensus_weights, gossip_matrix, ratio_consensus
 from dfca.core.params import flatten_cluster
 from dfca.models import MLP
 
@@ -27,26 +25,38 @@ def random_params(n: int, k: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(n, k, 3, 4, generator=g), "b": torch.randn(n, k, 4, generator=g)}
 
 
+def one_hop(params: dict[str, torch.Tensor], adjacency: torch.Tensor, assigned: torch.Tensor, merge: str) -> None:
+    """A paper-rule round's merge: every client sends its assigned model to its neighbours, all fold at once."""
+    sent = {n: t[torch.arange(t.shape[0]), assigned].clone() for n, t in params.items()}
+    fold_models(params, self_weights(assigned, params["w"].shape[1], merge), adjacency, assigned, sent)
+
+
 @pytest.mark.parametrize("self_weight", [1.0, 0.0])
 def test_running_average_any_order_equals_batch_average(self_weight: float) -> None:
+    """Eq. 8, one arrival at a time in any order, is eq. 7: (w_ii theta + sum of arrivals) / (w_ii + arrivals)."""
     g = torch.Generator().manual_seed(1)
-    own = {"w": torch.randn(5, 3, generator=g)}
-    arrivals = [{"w": torch.randn(5, 3, generator=g)} for _ in range(4)]
-    batch = (self_weight * own["w"] + sum(a["w"] for a in arrivals)) / (self_weight + len(arrivals))
+    own = {"w": torch.randn(1, 1, 5, 3, generator=g)}
+    arrivals = {"w": torch.randn(4, 5, 3, generator=g)}
+    zero = torch.zeros(4, dtype=torch.long)
+    batch = (self_weight * own["w"][0, 0] + arrivals["w"].sum(0)) / (self_weight + 4)
+    together = {"w": own["w"].clone()}
+    fold_models(together, torch.full((1, 1), self_weight), torch.ones(1, 4), zero, arrivals)
+    torch.testing.assert_close(together["w"][0, 0], batch, rtol=1e-5, atol=1e-6)
     for order in itertools.permutations(range(4)):
-        current = {"w": own["w"].clone()}
-        for r, i in enumerate(order, start=1):
-            running_average(current, arrivals[i], r, self_weight)
-        torch.testing.assert_close(current["w"], batch, rtol=1e-5, atol=1e-6)
+        current, weight = {"w": own["w"].clone()}, torch.full((1, 1), self_weight)
+        for i in order:
+            fold_models(current, weight, torch.ones(1, 1), zero[:1], {"w": arrivals["w"][i : i + 1]})
+        torch.testing.assert_close(current["w"][0, 0], batch, rtol=1e-5, atol=1e-6)
+        assert float(weight) == self_weight + 4
 
 
-def test_mixing_matrix_is_eq7() -> None:
+def test_one_hop_merge_is_eq7() -> None:
     """Client 0 with neighbours 1 (cluster 0) and 2 (cluster 1): cluster 0 averages {0, 1}, cluster 1 {0, 2}."""
     params = random_params(3, 2)
     before = {n: t.clone() for n, t in params.items()}
     adjacency = torch.tensor([[0, 1, 1], [1, 0, 0], [1, 0, 0]], dtype=torch.bool)
     assigned = torch.tensor([0, 0, 1])
-    mix_clusters(params, mixing_matrices(adjacency, assigned, self_weights(assigned, 2, "paper")))
+    one_hop(params, adjacency, assigned, "paper")
     for name in params:
         torch.testing.assert_close(params[name][0, 0], (before[name][0, 0] + before[name][1, 0]) / 2)
         torch.testing.assert_close(params[name][0, 1], (before[name][0, 1] + before[name][2, 1]) / 2)
@@ -64,7 +74,7 @@ def test_never_overwrites_a_cluster_that_received_nothing(merge: str) -> None:
     adjacency = torch.rand(n, n, generator=g) < 0.5
     adjacency = (adjacency | adjacency.T) & ~torch.eye(n, dtype=torch.bool)
     assigned = torch.tensor([0, 0, 1, 1, 0, 1])  # nobody sent cluster 2
-    mix_clusters(params, mixing_matrices(adjacency, assigned, self_weights(assigned, k, merge)))
+    one_hop(params, adjacency, assigned, merge)
     for name in params:
         torch.testing.assert_close(params[name][:, 2], before[name][:, 2], rtol=0, atol=0)
     # a client with no neighbour in cluster j keeps its own copy of j
@@ -81,7 +91,7 @@ def test_fresh_merge_drops_stale_own_copy_only_for_untrained_clusters() -> None:
     before = {name: t.clone() for name, t in params.items()}
     adjacency = torch.tensor([[0, 1], [1, 0]], dtype=torch.bool)
     assigned = torch.tensor([0, 1])
-    mix_clusters(params, mixing_matrices(adjacency, assigned, self_weights(assigned, 2, "fresh")))
+    one_hop(params, adjacency, assigned, "fresh")
     # client 0 trained cluster 0 and heard cluster 1 from client 1: takes client 1's model as is
     torch.testing.assert_close(params["w"][0, 1], before["w"][1, 1])
     torch.testing.assert_close(params["w"][0, 0], before["w"][0, 0])
@@ -140,46 +150,48 @@ def test_fused_mlp_sgd_matches_autograd() -> None:
         torch.testing.assert_close(p[name], ref[name].detach(), rtol=1e-4, atol=1e-5)
 
 
-def dense_mix(params: dict[str, torch.Tensor], W: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
-    """The definition: theta_{.,j} <- W[j] @ [theta_{.,j}; extra], on flattened copies. -> [N, k, D]."""
-    out = []
-    for j in range(W.shape[0]):
-        flat = flatten_cluster(params, j)
-        out.append(W[j] @ (flat if extra is None else torch.cat([flat, extra])))
-    return torch.stack(out, 1)
-
-
 def all_clusters(params: dict[str, torch.Tensor]) -> torch.Tensor:
     """[N, k, D]: every cluster flattened."""
     return torch.stack([flatten_cluster(params, j) for j in range(params["w"].shape[1])], 1)
 
 
 @pytest.mark.parametrize("merge", ["paper", "fresh"])
-@pytest.mark.parametrize("late", [0, 3])
-def test_mix_clusters_equals_the_dense_product(merge: str, late: int) -> None:
-    """mix_clusters multiplies only the weighted columns, in place; the result is W[j] @ theta_j all the same."""
-    n, k = 12, 3
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fold_models_equals_the_dense_definition(merge: str, weighted: bool) -> None:
+    """fold_models touches only the rows that received something, in place, reading a cluster's sources as a view
+    where they are contiguous; the result is (c theta + A x) / (c + A 1) per cluster all the same."""
+    n, k, s = 12, 3, 15
     g = torch.Generator().manual_seed(4)
     params = random_params(n, k, seed=4)
     flat_before = all_clusters(params)
-    delivered = torch.rand(n, n + late, generator=g) < 0.25
-    delivered[:, :n] &= ~torch.eye(n, dtype=torch.bool)
-    delivered[0] = False  # a client that hears nothing keeps its models
-    sent = torch.randint(0, k, (n + late,), generator=g)
-    sent[:n][sent[:n] == 2] = 0  # nobody trained cluster 2 this round (only late models of it, if any)
-    extra = torch.randn(late, flat_before.shape[2], generator=g) if late else None
-    W = mixing_matrices(delivered, sent, self_weights(sent[:n], k, merge))
-    expected = dense_mix(params, W, extra)
-    mix_clusters(params, W, extra=extra)
-    got = all_clusters(params)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    assert torch.equal(got[0], flat_before[0])
-    assert not torch.equal(got, flat_before)
+    arrivals = (torch.rand(n, s, generator=g) < 0.25).float()
+    if weighted:
+        arrivals *= torch.rand(n, s, generator=g) * 3
+    arrivals[0] = 0.0  # a client that hears nothing keeps its models
+    cluster = torch.randint(0, 2, (s,), generator=g)  # nobody sent cluster 2
+    cluster = cluster.sort().values if weighted else cluster  # contiguous runs (views) and scattered (indexed)
+    sources = {"w": torch.randn(s, 3, 4, generator=g), "b": torch.randn(s, 4, generator=g)}
+    own = self_weights(torch.randint(0, k, (n,), generator=g), k, merge)
+    flat_sources = torch.cat([sources["w"].reshape(s, -1), sources["b"].reshape(s, -1)], 1)
+    expected = flat_before.clone()
+    for j in range(k):
+        a = arrivals * (cluster == j).float()
+        total = own[:, j] + a.sum(1)
+        moved = a.sum(1) > 0
+        mixed = (own[:, j : j + 1] * flat_before[:, j] + a @ flat_sources) / total.clamp_min(1e-12).unsqueeze(1)
+        expected[moved, j] = mixed[moved]
+    weight = own.clone()
+    used = fold_models(params, weight, arrivals, cluster, sources)
+    torch.testing.assert_close(all_clusters(params), expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(all_clusters(params)[0], flat_before[0])
+    assert used == int((arrivals > 0).sum())
+    torch.testing.assert_close(weight, own + arrivals @ torch.nn.functional.one_hot(cluster, k).float())
 
 
 @pytest.mark.parametrize("untrained_weight", [0.0, 0.3])
 def test_ratio_consensus_equals_the_dense_ratio(untrained_weight: float) -> None:
-    """theta_j <- P^G (m_j theta_j) / P^G m_j where reached, else the own copy (core.consensus)."""
+    """theta_j <- P^G (m_j theta_j) / P^G m_j where reached, else the own copy (core.consensus), in both forms:
+    the simulator's walk over the whole graph and the message driver's step-by-step num and den."""
     n, k = 14, 3
     g = torch.Generator().manual_seed(5)
     params = random_params(n, k, seed=5)
@@ -189,13 +201,24 @@ def test_ratio_consensus_equals_the_dense_ratio(untrained_weight: float) -> None
     assigned = torch.randint(0, k, (n,), generator=g)
     assigned[assigned == 2] = 1  # cluster 2 is trained by nobody
     m = consensus_weights(assigned, k, untrained_weight)
-    steps = [gossip_matrix(adjacency)] * 3
-    walk = steps[0] @ steps[0] @ steps[0]
+    P = gossip_matrix(adjacency)
+    walk = P @ P @ P
     expected = []
     for j in range(k):
         flat = flatten_cluster(params, j)
         num, den = walk @ (m[:, j : j + 1] * flat), walk @ m[:, j]
         expected.append(torch.where((den > 1e-3).unsqueeze(1), num / den.clamp_min(1e-3).unsqueeze(1), flat))
-    ratio_consensus(params, m, steps)
+    stepped = {name: t.clone() for name, t in params.items()}
+    ratio_consensus(params, m, walk)
     for j in range(k):
         torch.testing.assert_close(flatten_cluster(params, j), expected[j], rtol=1e-5, atol=1e-6)
+    walked, step = WalkConsensus(m), StepConsensus(stepped, m)
+    for _ in range(3):
+        sent = step.outgoing()
+        step.receive(adjacency, {name: t.clone() for name, t in sent.items()})
+        walked.receive(adjacency, {})
+        step.step()
+    step.finish(stepped)
+    for j in range(k):
+        torch.testing.assert_close(flatten_cluster(stepped, j), expected[j], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(walked.walk, walk)

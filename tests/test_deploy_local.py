@@ -23,12 +23,6 @@ from typing import Any
 
 import httpx
 import pytest
-
-try:  # services.worker.main: `dfca worker` runs it; an empty services/worker/ folder imports as a namespace
-    import services.worker.main  # noqa: F401
-except ImportError:
-    pytest.skip("services not built yet", allow_module_level=True)
-
 from deploy_manifest import (
     CPU_OVERLAY_DIR,
     LaunchSpec,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from deploy_manifest import (
     BROKER_DIR,
@@ -47,6 +48,7 @@ from deploy_manifest import (
     workloads,
 )
 
+from dfca.devices import DeviceUnavailable, worker_device
 from dfca.settings import DEFAULT_PORTS, ENV_VARS
 
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")  # oldest we support (pod-index label GA path) and newest bundled
@@ -315,6 +317,27 @@ def test_cpu_workers_neither_request_nor_select_gpus(cpu_manifests: list[Manifes
     others_cpu = [d for d in cpu_manifests if d is not cpu_worker]
     others_gpu = [d for d in gpu_manifests if not (d["kind"] == "StatefulSet" and d["metadata"]["name"] == "worker")]
     assert sorted(map(json.dumps, others_cpu)) == sorted(map(json.dumps, others_gpu))
+
+
+def test_the_manifests_device_is_where_a_worker_computes(cpu_manifests: list[Manifest], gpu_manifests: list[Manifest],
+                                                          compose: dict[str, Any], compose_gpu: dict[str, Any],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker reads DFCA_DEVICE (dfca.devices.worker_device): a CPU pod computes on the CPU whatever the config
+    asks, and a GPU pod computes on the GPU, or fails naming DFCA_DEVICE where the node has none."""
+    cpu_env = resolve_env(pod_template(worker_statefulset(cpu_manifests))["spec"]["containers"][0], cpu_manifests,
+                          {POD_INDEX_LABEL: "0"})
+    gpu_env = resolve_env(pod_template(worker_statefulset(gpu_manifests))["spec"]["containers"][0], gpu_manifests,
+                          {POD_INDEX_LABEL: "0"})
+    compose_envs = [compose_environment(s) for n, s in compose["services"].items() if n.startswith("worker-")]
+    gpu_compose_envs = [compose_environment(s) for s in compose_gpu["services"].values()]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for env in [cpu_env, *compose_envs]:
+        assert worker_device("cuda", env["DFCA_DEVICE"]) == torch.device("cpu")
+    for env in [gpu_env, *gpu_compose_envs]:
+        assert worker_device("cpu", env["DFCA_DEVICE"]) == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceUnavailable, match="DFCA_DEVICE: cuda"):
+        worker_device("cpu", gpu_env["DFCA_DEVICE"])
 
 
 def test_workers_take_their_shard_from_the_pod_index(manifests: list[Manifest]) -> None:

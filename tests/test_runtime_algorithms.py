@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from dfca.config import ExperimentConfig
 from dfca.graph import build_graph, neighbours
-from dfca.runtime.central_roles import CENTRAL_ROLES, IFCAServerRole
+from dfca.runtime.central_roles import CENTRAL_ROLES, ServerRole
 from dfca.runtime.client_runner import ClientRunner, RunSpec, checkpoint_path
 from dfca.runtime.messages import RoundReport, StartCommand, WorkerEvent
 from dfca.runtime.sharding import clients_of
@@ -56,7 +56,7 @@ def test_the_ifca_server_carries_on_without_a_worker_that_never_came(tmp_path: P
     broker = InMemoryBroker()
     command = StartCommand(deployment="d", experiment="ifca", config=cfg, workers=2, neighbours={})
     role = CENTRAL_ROLES["ifca"](command, InMemoryTransport(broker))
-    assert isinstance(role, IFCAServerRole)
+    assert isinstance(role, ServerRole)
     stop = threading.Event()
     server_thread = threading.Thread(target=role.run, args=(stop,), daemon=True)
     server_thread.start()
@@ -74,7 +74,7 @@ def test_the_ifca_server_carries_on_without_a_worker_that_never_came(tmp_path: P
     reports = [e for e in events if isinstance(e, RoundReport)]
     assert [r.round for r in reports] == list(range(1, cfg.rounds + 1))
     assert reports[-1].complete and reports[-1].evaluation is not None
-    assert runner.host is not None and runner.host.model_round == cfg.rounds  # type: ignore[attr-defined]
+    assert runner.driver is not None and runner.driver.algorithm.model_round == cfg.rounds  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("algorithm", ["fedspd", "dfedavgm"])
@@ -102,8 +102,8 @@ def test_the_ifca_role_ends_when_the_experiment_is_over_without_uploads(monkeypa
     """No worker ever uploads and the topology service reports the experiment over: the server returns."""
     cfg = small(algorithm="ifca")
     command = StartCommand(deployment="d", experiment="gone", config=cfg, workers=1, neighbours={})
-    role = IFCAServerRole(command, InMemoryTransport(InMemoryBroker()), topology_url="http://topology.invalid")
-    monkeypatch.setattr("dfca.hosts.ifca_server.OVER_CHECK_S", 0.1)
+    role = ServerRole(command, InMemoryTransport(InMemoryBroker()), topology_url="http://topology.invalid")
+    monkeypatch.setattr("dfca.runtime.central_roles.OVER_CHECK_S", 0.1)
     asked: list[bool] = []
     monkeypatch.setattr(role, "experiment_over", lambda: asked.append(True) or len(asked) >= 2)
     thread = threading.Thread(target=role.run, args=(threading.Event(),), daemon=True)

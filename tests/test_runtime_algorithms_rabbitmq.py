@@ -82,11 +82,11 @@ def test_ifca_recovers_the_clusters_and_matches_the_simulator(stack: Stack) -> N
     assert messages["published"] == 24 * 6 and messages["timeouts"] == 0  # one upload per client and round
     assert messages["applied"] == 24 * 6 * 2  # every client received the server's 2 models every round
     role = aggregator_roles(stack)[experiment]
-    assert role["role"] == "IFCAServerRole" and not role["running"] and role["round"] == 6
+    assert role["role"] == "ServerRole" and role["algorithm"] == "ifca" and not role["running"] and role["round"] == 6
     assert role["stats"]["applied"] == 24 * 6 and role["stats"].get("timeouts", 0) == 0
     sim = simulate(ExperimentConfig.model_validate(cfg))
     params = checkpointed_params(stack, experiment, 24)
-    for name, server_model in sim.algorithm.server.items():  # type: ignore[attr-defined]
+    for name, server_model in sim.simulation.server.models.items():  # type: ignore[union-attr]
         torch.testing.assert_close(params[name], server_model.expand_as(params[name]), rtol=1e-4, atol=1e-5)
     assert summary["cluster_ari"] == pytest.approx(sim.summary["cluster_ari"])
     assert summary["test_accuracy"] == pytest.approx(sim.summary["test_accuracy"], abs=1e-6)

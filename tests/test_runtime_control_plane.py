@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
 
 from dfca import topics
 from dfca.config import ExperimentConfig
-from dfca.core import init_cluster_models
-from dfca.models import build_model
-from dfca.runtime.central_roles import CENTRAL_ROLES
 from dfca.runtime.coordinator import Coordinator
 from dfca.runtime.experiments import BARRIER_TIMEOUT_S, ExperimentRecord, dead_after
 from dfca.runtime.messages import (
@@ -31,7 +26,6 @@ from dfca.runtime.messages import (
 from dfca.runtime.sharding import assignment, clients_of
 from dfca.transport import InMemoryBroker, InMemoryTransport
 from dfca.transport.broker_setup import ensure_broker_topology
-from dfca.wire import decode_update
 from services.topology.main import create_app
 
 TOKEN = "t0ken"
@@ -249,24 +243,3 @@ def test_records_survive_a_topology_restart_and_an_unwritable_folder_is_not_fata
     unwritable = Coordinator(InMemoryTransport(broker), "dtest", workers=3, state_dir=tmp_path / "file" / "records")
     assert unwritable.create(ExperimentConfig.model_validate(small())).status == "created"
     assert unwritable.state_dir is None
-
-
-def test_the_aggregator_role_for_dfca_publishes_the_initial_models(broker: InMemoryBroker) -> None:
-    cfg = ExperimentConfig.model_validate(small())
-    listener = InMemoryTransport(broker)
-    for name, kind in topics.EXCHANGES.items():
-        listener.declare_exchange(name, kind)
-    listener.declare_queue("server-models")
-    listener.bind("server-models", topics.MODELS_EXCHANGE, "agg.server.*")
-    command = StartCommand(deployment="d", experiment="agg", config=cfg, workers=1, neighbours={})
-    role = CENTRAL_ROLES[cfg.algorithm](command, InMemoryTransport(broker))
-    role.run(threading.Event())
-    shapes = build_model("mlp", (1, 8, 8), 8, 10).shapes()
-    updates = []
-    while (message := listener.receive("server-models")) is not None:
-        updates.append(decode_update(message.body, message.headers, shapes))
-    assert sorted(u.cluster for u in updates) == [0, 1] and {u.sender for u in updates} == {topics.SERVER_SENDER}
-    expected = init_cluster_models(build_model("mlp", (1, 8, 8), 8, 10), [0], 2, cfg.seed, "global")
-    for update in updates:
-        for name, tensor in update.params.items():
-            assert torch.equal(tensor, expected[name][0, update.cluster])

@@ -44,9 +44,10 @@ def test_dead_processes_are_restarted_unless_told_otherwise(tmp_path: Path) -> N
         assert stack.services["worker-0"].restarts == 1 and stack.services["worker-0"].exits == [-signal.SIGKILL]
         stack.kill("worker-1", signal.SIGKILL, restart=False)
         wait_for(lambda: (stack.poll(), stack.services["worker-1"].process is None)[1])
-        time.sleep(1.5)
+        down = stack.services["worker-1"]
+        down.next_start = 0.0  # whatever backoff there was has passed: a restart would happen on this poll
         stack.poll()
-        assert not stack.services["worker-1"].running
+        assert down.process is None and down.restarts == 0 and down.exits == [-signal.SIGKILL]
     finally:
         stack.stop(grace=5)
     assert not any(p.running for p in stack.services.values())

@@ -42,8 +42,9 @@ from dfca.graph import build_graph
 from dfca.models import build_model
 from dfca.runtime.launcher import Stack
 from dfca.runtime.sharding import clients_of
+from dfca.schedule import RoundSchedule
 from dfca.simulator import simulate
-from dfca.wire import ModelUpdate, encode_update, sha256
+from dfca.wire import Envelope, TensorSpec, encode_message, sha256
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 
@@ -66,19 +67,26 @@ def simulated() -> dict[str, Any]:
 
 # -- bad input, published with plain pika -------------------------------------------------------------------
 def bad_model_messages(experiment: str, sender: int, impostor: int) -> list[tuple[str, str, bytes, dict[str, str]]]:
-    """(reason, routing key, body, headers): garbage, wrong shapes, NaN weights, spoofed sender."""
+    """(reason, routing key, body, headers): garbage, wrong shapes, NaN weights, spoofed sender; each a seed
+    candidate of round 1 (a seeding round of the default DFCA), so only its payload or sender is wrong."""
+    assert RoundSchedule(ExperimentConfig.model_validate(rotated_mnist())).seeding(1) is not None
     shapes = build_model("mlp", (1, 28, 28), 64, 10).shapes()
+    spec = {**{n: TensorSpec(s) for n, s in shapes.items()}, "score": TensorSpec((), "float64"),
+            "origin": TensorSpec((), "int64")}
     key = topics.model_key(experiment, sender, 0)
 
-    def headers(body: bytes, claimed_sender: int = sender) -> dict[str, str]:
-        return {"experiment": experiment, "sender": str(claimed_sender), "round": "1", "cluster": "0",
-                "samples": "80", "sha256": sha256(body), "dtype": "float32", "version": "1"}
+    def candidate(fill: float, claimed_sender: int) -> dict[str, torch.Tensor]:
+        return {**{n: torch.full(s, fill) for n, s in shapes.items()}, "score": torch.tensor(0.5, dtype=torch.float64),
+                "origin": torch.tensor(claimed_sender)}
+
+    def headers(body: bytes) -> dict[str, str]:
+        return {"experiment": experiment, "sender": str(sender), "round": "1", "exchange": "seed", "step": "0",
+                "part": "0", "sha256": sha256(body), "dtype": "float32", "version": "2"}
 
     garbage = os.urandom(4096)
     wrong = save({name: torch.zeros(3, 3) for name in shapes})
-    nan = save({name: torch.full(shape, math.nan) for name, shape in shapes.items()})
-    real, real_headers = encode_update(ModelUpdate(experiment, impostor, 1, 0, 80,
-                                                   {n: torch.zeros(s) for n, s in shapes.items()}))
+    nan = save(candidate(math.nan, sender))
+    real, real_headers = encode_message(Envelope(experiment, impostor, 1, "seed", 0, 0, candidate(0.0, impostor)), spec)
     return [
         ("decode", key, garbage, headers(garbage)),
         ("shape", key, wrong, headers(wrong)),

@@ -42,7 +42,7 @@ CASES = [
     (topics.neighbour_binding("exp1", 2), topics.model_key("exp1", 22, 0), False),
     (topics.neighbour_binding("exp1", 2), topics.model_key("exp2", 2, 0), False),
     (topics.experiment_binding("exp1"), topics.model_key("exp1", 9, 3), True),
-    (topics.experiment_binding("exp1"), topics.server_key("exp1", 1), True),
+    (topics.experiment_binding("exp1"), topics.model_key("exp1", topics.SERVER_SENDER, 1), True),
 ]
 
 

@@ -1,173 +1,163 @@
-"""Wire format: safetensors + headers; bad payloads are rejected, never applied."""
+"""Wire format: safetensors + headers, one decoder for every message; bad payloads are rejected, never applied."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
+from safetensors.torch import save
 
-from dfca.wire import ModelUpdate, PayloadRejected, decode_update, encode_update, sha256
+from dfca import topics
+from dfca.wire import Envelope, PayloadRejected, Spec, TensorSpec, decode_message, encode_message, sha256
 
-SHAPES = {"w": (3, 4), "b": (4,)}
+MODEL: Spec = {"w": TensorSpec((3, 4)), "b": TensorSpec((4,))}
+GOSSIP: Spec = {"num.w": TensorSpec((2, 3, 4)), "num.b": TensorSpec((2, 4)), "den": TensorSpec((2,), "float32")}
+SEED: Spec = {**MODEL, "score": TensorSpec((), "float64"), "origin": TensorSpec((), "int64")}
+KEY = topics.model_key("exp1", 7, 1)
 
 
-def update() -> ModelUpdate:
+def model_message() -> Envelope:
     g = torch.Generator().manual_seed(0)
-    return ModelUpdate("exp1", 7, 3, 1, 100, {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g)})
+    tensors = {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g)}
+    return Envelope("exp1", 7, 3, "models", 0, 1, tensors)
+
+
+def gossip_message() -> Envelope:
+    g = torch.Generator().manual_seed(1)
+    return Envelope("exp1", 7, 3, "gossip", 2, 1, {"num.w": torch.randn(2, 3, 4, generator=g),
+                                                   "num.b": torch.randn(2, 4, generator=g),
+                                                   "den": torch.tensor([1 / 3, 0.0])})
+
+
+def decode(body: bytes, headers: dict[str, str], spec: Spec = MODEL, key: str = KEY) -> Envelope:
+    return decode_message(key, body, headers, "exp1", lambda _head: spec)
+
+
+def rejected(call: Callable[[], object]) -> str:
+    with pytest.raises(PayloadRejected) as err:
+        call()
+    return err.value.reason
 
 
 def test_roundtrip_float32_exact() -> None:
-    body, headers = encode_update(update())
-    got = decode_update(body, headers, SHAPES)
-    assert (got.experiment, got.sender, got.round, got.cluster, got.samples) == ("exp1", 7, 3, 1, 100)
-    for k in SHAPES:
-        assert torch.equal(got.params[k], update().params[k])
+    body, headers = encode_message(model_message(), MODEL)
+    got = decode(body, headers)
+    assert (got.experiment, got.sender, got.round, got.exchange, got.step, got.part) == ("exp1", 7, 3, "models", 0, 1)
+    for k in MODEL:
+        assert torch.equal(got.tensors[k], model_message().tensors[k])
     assert headers["sha256"] == sha256(body)
 
 
-def test_float16_payload_is_half_the_size_and_close() -> None:
-    body32, _ = encode_update(update())
-    body16, headers = encode_update(update(), torch.float16)
+def test_float16_payload_is_half_the_size_and_close_and_weights_stay_exact() -> None:
+    body32, _ = encode_message(model_message(), MODEL)
+    body16, headers = encode_message(model_message(), MODEL, torch.float16)
     assert len(body16) < len(body32)
-    got = decode_update(body16, headers, SHAPES)
-    assert got.params["w"].dtype == torch.float32
-    torch.testing.assert_close(got.params["w"], update().params["w"], atol=1e-2, rtol=1e-2)
+    got = decode(body16, headers)
+    assert got.tensors["w"].dtype == torch.float32
+    torch.testing.assert_close(got.tensors["w"], model_message().tensors["w"], atol=1e-2, rtol=1e-2)
+    body, headers = encode_message(gossip_message(), GOSSIP, torch.float16)
+    gossip = decode(body, headers, GOSSIP)
+    assert torch.equal(gossip.tensors["den"], gossip_message().tensors["den"])  # 1/3 survives exactly
+    seed = Envelope("exp1", 7, 0, "seed", 0, 1, {**model_message().tensors, "score": torch.tensor(0.1 + 1e-12,
+                                                                                              dtype=torch.float64),
+                                                  "origin": torch.tensor(12)})
+    got_seed = decode(*encode_message(seed, SEED, torch.float16), SEED)
+    assert float(got_seed.tensors["score"]) == 0.1 + 1e-12 and int(got_seed.tensors["origin"]) == 12
 
 
 def test_garbage_bytes_rejected() -> None:
     body = b"\x00garbage" * 10
-    headers = {**encode_update(update())[1], "sha256": sha256(body)}
-    with pytest.raises(PayloadRejected) as err:
-        decode_update(body, headers, SHAPES)
-    assert err.value.reason == "decode"
+    headers = {**encode_message(model_message(), MODEL)[1], "sha256": sha256(body)}
+    assert rejected(lambda: decode(body, headers)) == "decode"
 
 
 def test_checksum_mismatch_rejected() -> None:
-    body, headers = encode_update(update())
+    body, headers = encode_message(model_message(), MODEL)
     tampered = body[:-1] + bytes([body[-1] ^ 1])
-    with pytest.raises(PayloadRejected) as err:
-        decode_update(tampered, headers, SHAPES)
-    assert err.value.reason == "checksum"
+    assert rejected(lambda: decode(tampered, headers)) == "checksum"
 
 
-def test_wrong_shape_rejected() -> None:
-    body, headers = encode_update(update())
-    with pytest.raises(PayloadRejected) as err:
-        decode_update(body, headers, {"w": (4, 3), "b": (4,)})
-    assert err.value.reason == "shape"
-    with pytest.raises(PayloadRejected):
-        decode_update(body, headers, {"w": (3, 4)})
+def test_wrong_names_and_shapes_rejected() -> None:
+    body, headers = encode_message(model_message(), MODEL)
+    assert rejected(lambda: decode(body, headers, {"w": TensorSpec((4, 3)), "b": TensorSpec((4,))})) == "shape"
+    assert rejected(lambda: decode(body, headers, {"w": TensorSpec((3, 4))})) == "shape"
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_rejected(bad: float) -> None:
-    u = update()
-    u.params["w"][1, 2] = bad
-    body, headers = encode_update(u)
-    with pytest.raises(PayloadRejected) as err:
-        decode_update(body, headers, SHAPES)
-    assert err.value.reason == "non_finite"
+    message = model_message()
+    message.tensors["w"][1, 2] = bad
+    body, headers = encode_message(message, MODEL)
+    assert rejected(lambda: decode(body, headers)) == "non_finite"
+
+
+def resigned(tensors: dict[str, torch.Tensor], like: Envelope, spec: Spec) -> tuple[bytes, dict[str, str]]:
+    body = save(tensors)
+    return body, {**encode_message(like, spec)[1], "sha256": sha256(body)}
 
 
 def test_wrong_dtype_rejected() -> None:
-    from safetensors.torch import save
-
-    body = save({"w": torch.zeros(3, 4, dtype=torch.int32), "b": torch.zeros(4)})
-    headers = {**encode_update(update())[1], "sha256": sha256(body)}
-    with pytest.raises(PayloadRejected) as err:
-        decode_update(body, headers, SHAPES)
-    assert err.value.reason == "dtype"
+    body, headers = resigned({"w": torch.zeros(3, 4, dtype=torch.int32), "b": torch.zeros(4)}, model_message(), MODEL)
+    assert rejected(lambda: decode(body, headers)) == "dtype"
 
 
-def test_missing_header_rejected() -> None:
-    body, headers = encode_update(update())
-    del headers["round"]
-    with pytest.raises(PayloadRejected) as err:
-        decode_update(body, headers, SHAPES)
-    assert err.value.reason == "bad_header"
+@pytest.mark.parametrize("drop", ["round", "exchange", "step", "part", "sender", "sha256"])
+def test_missing_header_rejected(drop: str) -> None:
+    body, headers = encode_message(model_message(), MODEL)
+    del headers[drop]
+    assert rejected(lambda: decode(body, headers)) == "bad_header"
 
 
-# -- consensus payloads ---------------------------------------------------------------------------------
-from dfca.wire import ConsensusUpdate, decode_consensus, encode_consensus, is_consensus  # noqa: E402
+def test_headers_are_checked_against_the_routing_key_and_experiment() -> None:
+    body, headers = encode_message(model_message(), MODEL)
+    assert rejected(lambda: decode(body, headers, key=topics.model_key("exp1", 8, 1))) == "spoofed"
+    assert rejected(lambda: decode(body, headers, key=topics.model_key("exp1", 7, 0))) == "spoofed"
+    assert rejected(lambda: decode(body, headers, key=topics.model_key("exp1", topics.SERVER_SENDER, 1))) == "spoofed"
+    assert rejected(lambda: decode(body, headers, key="exp1.7")) == "routing_key"
+    assert rejected(lambda: decode(body, headers, key="exp1.-1.1")) == "routing_key"  # no client id is negative
+    assert rejected(lambda: decode_message(KEY.replace("exp1", "exp2"), body, {**headers, "experiment": "exp2"},
+                                           "exp1", lambda _h: MODEL)) == "experiment"
 
 
-def consensus_update(k: int = 2) -> ConsensusUpdate:
-    g = torch.Generator().manual_seed(1)
-    num = {"w": torch.randn(k, 3, 4, generator=g), "b": torch.randn(k, 4, generator=g)}
-    return ConsensusUpdate("exp1", 7, 3, 2, num, torch.tensor([1 / 3, 0.0]))
+def test_the_exchange_decides_the_payload() -> None:
+    """`spec_of` sees the headers first: a gossip message is checked as gossip, and an unknown exchange refused."""
+    body, headers = encode_message(gossip_message(), GOSSIP)
+    seen: list[str] = []
 
+    def spec_of(head: Envelope) -> Spec:
+        seen.append(head.exchange)
+        if head.exchange != "gossip":
+            raise PayloadRejected("exchange", head.exchange)
+        return GOSSIP
 
-def test_consensus_roundtrip_exact_and_marked() -> None:
-    body, headers = encode_consensus(consensus_update())
-    assert is_consensus(headers) and not is_consensus(encode_update(update())[1])
-    got = decode_consensus(body, headers, SHAPES, 2)
-    assert (got.experiment, got.sender, got.round, got.step) == ("exp1", 7, 3, 2)
-    for k in SHAPES:
-        assert torch.equal(got.num[k], consensus_update().num[k])
-    assert torch.equal(got.den, consensus_update().den)
-
-
-def test_consensus_float16_keeps_den_float32() -> None:
-    body, headers = encode_consensus(consensus_update(), torch.float16)
-    got = decode_consensus(body, headers, SHAPES, 2)
-    assert torch.equal(got.den, consensus_update().den)  # 1/3 survives exactly
-    torch.testing.assert_close(got.num["w"], consensus_update().num["w"], atol=1e-2, rtol=1e-2)
-
-
-def test_consensus_and_model_payloads_not_confused() -> None:
-    body, headers = encode_consensus(consensus_update())
-    with pytest.raises(PayloadRejected) as err:
-        decode_update(body, headers, SHAPES)
-    assert err.value.reason == "kind"
-    body, headers = encode_update(update())
-    with pytest.raises(PayloadRejected) as err:
-        decode_consensus(body, headers, SHAPES, 2)
-    assert err.value.reason == "bad_header"
-
-
-def _resigned(tensors: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, str]]:
-    from safetensors.torch import save
-
-    body = save(tensors)
-    return body, {**encode_consensus(consensus_update())[1], "sha256": sha256(body)}
-
-
-def _consensus_tensors() -> dict[str, torch.Tensor]:
-    u = consensus_update()
-    tensors = {f"c{j}.{n}": v[j].clone() for n, v in u.num.items() for j in range(2)}
-    tensors["den"] = u.den.clone()
-    return tensors
+    got = decode_message(KEY, body, headers, "exp1", spec_of)
+    assert seen == ["gossip"] and got.step == 2 and torch.equal(got.tensors["den"], gossip_message().tensors["den"])
+    model_body, model_headers = encode_message(model_message(), MODEL)
+    assert rejected(lambda: decode_message(KEY, model_body, model_headers, "exp1", spec_of)) == "exchange"
+    assert rejected(lambda: decode(body, headers, MODEL)) == "shape"  # a gossip payload is no model
 
 
 @pytest.mark.parametrize("damage,reason", [
-    (lambda t: t.update({"c1.w": torch.full((3, 4), float("nan"))}), "non_finite"),
+    (lambda t: t.update({"num.w": torch.full((2, 3, 4), float("nan"))}), "non_finite"),
     (lambda t: t.update({"den": torch.tensor([float("inf"), 0.0])}), "non_finite"),
-    (lambda t: t.update({"den": torch.tensor([-0.5, 1.0])}), "den"),
+    (lambda t: t.update({"den": torch.tensor([-0.5, 1.0])}), "negative"),
     (lambda t: t.update({"den": torch.zeros(3)}), "shape"),
-    (lambda t: t.update({"c0.b": torch.zeros(5)}), "shape"),
-    (lambda t: t.pop("c1.b"), "shape"),
-    (lambda t: t.update({"c2.b": torch.zeros(4)}), "shape"),
-    (lambda t: t.update({"c0.w": torch.zeros(3, 4, dtype=torch.int32)}), "dtype"),
+    (lambda t: t.update({"num.b": torch.zeros(2, 5)}), "shape"),
+    (lambda t: t.pop("num.b"), "shape"),
+    (lambda t: t.update({"num.c": torch.zeros(4)}), "shape"),
+    (lambda t: t.update({"num.w": torch.zeros(2, 3, 4, dtype=torch.int32)}), "dtype"),
 ])
-def test_bad_consensus_payloads_rejected(damage: object, reason: str) -> None:
-    tensors = _consensus_tensors()
-    damage(tensors)  # type: ignore[operator]
-    body, headers = _resigned(tensors)
-    with pytest.raises(PayloadRejected) as err:
-        decode_consensus(body, headers, SHAPES, 2)
-    assert err.value.reason == reason
+def test_bad_gossip_payloads_rejected(damage: Callable[[dict[str, torch.Tensor]], object], reason: str) -> None:
+    tensors = {n: t.clone() for n, t in gossip_message().tensors.items()}
+    damage(tensors)
+    body, headers = resigned(tensors, gossip_message(), GOSSIP)
+    assert rejected(lambda: decode(body, headers, GOSSIP)) == reason
 
 
-def test_consensus_checksum_clusters_and_headers_checked() -> None:
-    body, headers = encode_consensus(consensus_update())
-    with pytest.raises(PayloadRejected) as err:
-        decode_consensus(body[:-1] + bytes([body[-1] ^ 1]), headers, SHAPES, 2)
-    assert err.value.reason == "checksum"
-    with pytest.raises(PayloadRejected) as err:
-        decode_consensus(body, headers, SHAPES, 3)
-    assert err.value.reason == "cluster"
-    with pytest.raises(PayloadRejected) as err:
-        decode_consensus(body, {k: v for k, v in headers.items() if k != "step"}, SHAPES, 2)
-    assert err.value.reason == "bad_header"
-    with pytest.raises(PayloadRejected) as err:
-        decode_consensus(b"\x00junk", {**headers, "sha256": sha256(b"\x00junk")}, SHAPES, 2)
-    assert err.value.reason == "decode"
+def test_an_index_must_be_an_integer() -> None:
+    seed = Envelope("exp1", 7, 0, "seed", 0, 1, {**model_message().tensors, "score": torch.tensor(0.5),
+                                                 "origin": torch.tensor(3)})
+    tensors = {**{n: t for n, t in seed.tensors.items()}, "origin": torch.tensor(3.0)}
+    body, headers = resigned(tensors, seed, SEED)
+    assert rejected(lambda: decode(body, headers, SEED)) == "dtype"

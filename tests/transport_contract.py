@@ -26,7 +26,7 @@ import torch
 
 from dfca import topics
 from dfca.transport import Message, Transport, TransportError
-from dfca.wire import ModelUpdate, decode_update, encode_update
+from dfca.wire import Envelope, TensorSpec, decode_message, encode_message
 
 PATIENCE_S = 10.0  # how long to wait for a message that must arrive
 QUIET_S = 0.3  # how long to wait when checking that a queue is empty
@@ -220,11 +220,9 @@ class TransportContract:
 
     def test_headers_and_binary_bodies_are_byte_exact(self, transport: Transport, names: Names) -> None:
         exchange, queues = topic_setup(transport, names, {"q": ["#"]})
-        update = ModelUpdate(
-            experiment=names.prefix, sender=3, round=7, cluster=1, samples=120,
-            params={"w": torch.randn(64, 32), "b": torch.randn(32)},
-        )
-        model_body, model_headers = encode_update(update)
+        spec = {"w": TensorSpec((64, 32)), "b": TensorSpec((32,))}
+        update = Envelope(names.prefix, 3, 7, "models", 0, 1, {"w": torch.randn(64, 32), "b": torch.randn(32)})
+        model_body, model_headers = encode_message(update, spec)
         bodies = [
             (os.urandom(1 << 20), {"kind": "random", "unicode": "naïve ✓"}),
             (bytes(range(256)) * 4, {"kind": "all-bytes"}),
@@ -238,8 +236,9 @@ class TransportContract:
             assert message.body == body
             assert dict(message.headers) == headers
             transport.ack(message)
-        decoded = decode_update(model_body, model_headers, {"w": (64, 32), "b": (32,)})
-        assert torch.equal(decoded.params["w"], update.params["w"])
+        decoded = decode_message(topics.model_key(names.prefix, 3, 1), model_body, model_headers, names.prefix,
+                                 lambda _head: spec)
+        assert torch.equal(decoded.tensors["w"], update.tensors["w"])
 
     def test_fifo_order_from_one_publisher(self, transport: Transport, names: Names) -> None:
         exchange, queues = topic_setup(transport, names, {"q": ["k"]})

@@ -1,4 +1,4 @@
-"""The optional aggregator: central roles (dfca.runtime.central_roles) on the same broker.
+"""The optional aggregator: central roles (dfca.runtime.central_roles) on the same broker, on DFCA_DEVICE.
 
 Health on DFCA_PORT (default 8083): /livez, /readyz; GET /status lists the roles running.
 """
@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from dfca import topics
-from dfca.runtime.central_roles import CENTRAL_ROLES, CentralRole
+from dfca.runtime.central_roles import CENTRAL_ROLES, ServerRole
 from dfca.runtime.event_consumer import QueueConsumer
 from dfca.runtime.http_service import add_health_routes, serve
 from dfca.runtime.messages import GoCommand, StartCommand, StopCommand, TopologyChange, decode_control
@@ -26,12 +26,13 @@ log = logging.getLogger(__name__)
 
 
 class Aggregator:
-    def __init__(self, deployment: str, broker_url: str, topology_url: str | None = None) -> None:
-        self.deployment, self.broker_url, self.topology_url = deployment, broker_url, topology_url
+    def __init__(self, deployment: str, broker_url: str, topology_url: str | None = None,
+                 device: str | None = None) -> None:
+        self.deployment, self.broker_url, self.topology_url, self.device = deployment, broker_url, topology_url, device
         self.transport = connect_transport(broker_url, name="dfca-aggregator")
         self.queue = aggregator_control_queue(deployment)
         self.consumer = QueueConsumer(self.transport, self.queue, decode_control, self.handle)
-        self.roles: dict[str, tuple[CentralRole, threading.Event, threading.Thread]] = {}
+        self.roles: dict[str, tuple[ServerRole, threading.Event, threading.Thread]] = {}
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.consumer.run_forever, args=(self.stopping,), daemon=True)
 
@@ -49,7 +50,7 @@ class Aggregator:
             if role_class is None:
                 return
             role = role_class(command, connect_transport(self.broker_url, name="dfca-aggregator-role"),
-                              self.topology_url)
+                              self.topology_url, self.device)
             stop = threading.Event()
             thread = threading.Thread(target=self._run, args=(role, stop), daemon=True)
             self.roles[command.experiment] = (role, stop, thread)
@@ -57,7 +58,7 @@ class Aggregator:
         elif isinstance(command, StopCommand) and command.experiment in self.roles:
             self.roles[command.experiment][1].set()
 
-    def _run(self, role: CentralRole, stop: threading.Event) -> None:
+    def _run(self, role: ServerRole, stop: threading.Event) -> None:
         try:
             role.run(stop)
         except Exception:
@@ -89,7 +90,8 @@ def create_app(aggregator: Aggregator, broker_url: str) -> FastAPI:
 def main() -> None:
     settings = ServiceSettings.from_env("aggregator")
     configure_logging("aggregator", settings.log_level)
-    aggregator = Aggregator(deployment_tag(settings.topology_url), settings.broker_url, settings.topology_url)
+    aggregator = Aggregator(deployment_tag(settings.topology_url), settings.broker_url, settings.topology_url,
+                            settings.device)
     aggregator.open()
     try:
         serve(create_app(aggregator, settings.broker_url), settings.host, settings.port)

@@ -32,7 +32,7 @@ def create_app(agent: WorkerAgent, broker_url: str) -> FastAPI:
             runners = dict(agent.runners)
         return {"worker": agent.ordinal, "workers": agent.workers, "experiments": {
             e: {"state": r.status.state, "rounds_done": r.status.rounds_done, "resumed_from": r.status.resumed_from,
-                "clients": r.spec.clients} for e, r in runners.items()}}
+                "clients": r.spec.clients, "device": str(r.device)} for e, r in runners.items()}}
 
     return app
 
@@ -46,7 +46,7 @@ def main() -> None:
         return connect_transport(settings.broker_url, prefetch=prefetch, name=f"dfca-worker-{ordinal}")
 
     agent = WorkerAgent(deployment_tag(settings.topology_url), ordinal, settings.workers, connect,
-                        Path(settings.checkpoint_dir), settings.topology_url, settings.data_root)
+                        Path(settings.checkpoint_dir), settings.topology_url, settings.data_root, settings.device)
     agent.start()
     log.info("worker %d of %d up", ordinal, settings.workers)
     try:

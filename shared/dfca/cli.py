@@ -13,6 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dfca.config import ConfigError, ExperimentConfig, load_config
+from dfca.devices import DeviceUnavailable, resolve_device
+from dfca.schedule import RoundSchedule
 
 app = typer.Typer(add_completion=False, help="Decentralized clustered federated learning (DFCA and baselines).")
 console = Console(stderr=True)
@@ -23,6 +25,15 @@ def _load(config: Path | None) -> ExperimentConfig:
     try:
         return load_config(config or DEFAULT_CONFIG)
     except ConfigError as err:
+        console.print(f"[bold red]invalid config:[/] {err}")
+        raise typer.Exit(2) from err
+
+
+def _check_device(cfg: ExperimentConfig) -> None:
+    """`device` must exist on this machine for `dfca run` (workers check DFCA_DEVICE or `device` themselves)."""
+    try:
+        resolve_device(cfg.device)
+    except DeviceUnavailable as err:
         console.print(f"[bold red]invalid config:[/] {err}")
         raise typer.Exit(2) from err
 
@@ -57,12 +68,13 @@ def run(
         except Exception as err:  # pydantic ValidationError
             console.print(f"[bold red]invalid override:[/] {err}")
             raise typer.Exit(2) from err
+    _check_device(cfg)
     log = MetricsLog(out / "metrics.jsonl")
     console.print(f"[bold]{cfg.name}[/]: {cfg.algorithm}, {cfg.data.clients} clients, k={cfg.clusters}, "
                   f"{cfg.rounds} rounds{seeding_note(cfg)}, {cfg.topology.kind} graph -> {out}")
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console) as progress:
-        task = progress.add_task("rounds", total=cfg.total_rounds, status="")
+        task = progress.add_task("rounds", total=RoundSchedule(cfg).total_rounds, status="")
 
         def on_round(record: dict[str, Any]) -> None:
             log.write(record)
@@ -80,7 +92,7 @@ def run(
             log.close()
     write_summary(out, result.summary, cfg)
     save_models(out, result.final_models, result.assigned.tolist())
-    plot_history(out, result.history, cfg.name, cfg.seeding_rounds)
+    plot_history(out, result.history, cfg.name, RoundSchedule(cfg).seeding_rounds)
     Console().print(results_table(result.summary))
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
@@ -89,9 +101,10 @@ def run(
 
 @app.command("validate")
 def validate(config: Path = typer.Argument(..., help="experiment YAML")) -> None:
-    """Check a config file against the schema."""
+    """Check a config file against the schema, and that its `device` is on this machine."""
     cfg = _load(config)
-    console.print(f"[green]ok[/]: {cfg.name} ({cfg.algorithm})")
+    _check_device(cfg)
+    console.print(f"[green]ok[/]: {cfg.name} ({cfg.algorithm}, device {resolve_device(cfg.device)})")
 
 
 def _service(name: str) -> None:
@@ -124,7 +137,7 @@ def metrics() -> None:
 
 @app.command()
 def aggregator() -> None:
-    """Run the optional central aggregator (IFCA server, DFCA-GI initial models)."""
+    """Run the optional central aggregator (central roles: IFCA's server)."""
     _service("aggregator")
 
 
@@ -166,6 +179,5 @@ if __name__ == "__main__":
 
 
 def seeding_note(cfg: ExperimentConfig) -> str:
-    if not cfg.seeding_rounds:
-        return ""
-    return f" after {cfg.seeding_rounds} rounds of farthest-first seeding (dfca.seeding)"
+    seeding = RoundSchedule(cfg).seeding_rounds
+    return f" after {seeding} rounds of farthest-first seeding (dfca.seeding)" if seeding else ""

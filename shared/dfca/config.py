@@ -81,13 +81,13 @@ class DFCAConfig(Strict):
     seeding: Literal["none", "farthest"] | None = Field(
         None,
         description="farthest: before training, agree on k seed models by farthest-first max-flooding "
-        "(core.seeding): each seed is the local model of the client the earlier seeds fit worst; "
+        "(core.seeding, dfca.schedule): each seed is the local model of the client the earlier seeds fit worst; "
         "None: farthest for variant robust, none for variant paper",
     )
     seed_epochs: int = Field(10, ge=0, description="seeding: local epochs that train each client's candidate")
     flood_rounds: int | None = Field(
         None, ge=1, description="seeding: rounds per seed slot (>= the graph's diameter); None: a bound "
-        "from topology and clients (core.seeding.diameter_bound)",
+        "from topology and clients (dfca.schedule.diameter_bound)",
     )
 
     @property
@@ -97,18 +97,6 @@ class DFCAConfig(Strict):
     @property
     def seeding_rule(self) -> str:
         return self.seeding or ("farthest" if self.variant == "robust" else "none")
-
-    def steps_at(self, t: int, start: int = 0) -> int:
-        """Gossip steps of ratio consensus in round t; 0 means the round merges by eq. 7/8.
-
-        `start`: the first training round (after the seeding rounds); the warm-up counts from there.
-        """
-        if self.variant != "robust" or t < start:
-            return 0
-        return self.warmup_gossip_steps if t - start < self.warmup_rounds else self.gossip_steps
-
-    def uses_consensus(self, t: int) -> bool:
-        return self.steps_at(t) > 0
 
 
 class FedSPDConfig(Strict):
@@ -128,13 +116,14 @@ class FedSPDConfig(Strict):
 
 
 class RuntimeConfig(Strict):
-    """Settings that only the distributed runtime reads."""
+    """Settings of the distributed runtime (`staleness` also decides what the simulator does with late messages)."""
 
     workers: int = Field(1, ge=1)
     round_timeout: float = Field(30.0, gt=0.0, description="seconds a client waits for neighbours per round")
     payload_dtype: Literal["float32", "float16"] = "float32"
     staleness: Literal["drop", "merge"] = Field(
-        "drop", description="what a client does with a model from an earlier round: drop it, or merge it"
+        "drop", description="what a client does with a model that arrives after its round (both drivers: the "
+        "simulator's late messages too): drop it, or merge it into the next round's running average",
     )
 
 
@@ -149,7 +138,10 @@ class ExperimentConfig(Strict):
     )
     seed: int = 0
     eval_every: int = Field(1, ge=1)
-    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        "cpu", description="where models, data and computation live: `dfca run` here; a worker uses DFCA_DEVICE if "
+        "set, else this (auto: the GPU if there is one)",
+    )
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -168,22 +160,6 @@ class ExperimentConfig(Strict):
         if self.topology.kind == "barabasi_albert" and self.topology.m >= self.data.clients:
             raise ValueError("topology.m must be smaller than data.clients")
         return self
-
-    @property
-    def seeding_rounds(self) -> int:
-        """Communication-only rounds of farthest-first seeding before DFCA's first training round."""
-        return _seeding_rounds(self) if self.algorithm == "dfca" else 0
-
-    @property
-    def total_rounds(self) -> int:
-        """`rounds` training rounds plus the seeding rounds that come first (robust DFCA)."""
-        return self.rounds + self.seeding_rounds
-
-
-def _seeding_rounds(cfg: ExperimentConfig) -> int:
-    from dfca.core.seeding import seeding_rounds  # core.seeding reads this module's classes
-
-    return seeding_rounds(cfg)
 
 
 class ConfigError(ValueError):

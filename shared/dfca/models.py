@@ -36,7 +36,7 @@ def masked_orders(orders: Tensor, sample_mask: Tensor) -> tuple[Tensor, Tensor]:
     orders [B, epochs, n], sample_mask [B, n] -> (orders, valid [B, epochs, n] bool: position holds a kept sample).
     """
     valid = torch.gather(sample_mask.unsqueeze(1).expand_as(orders), 2, orders)
-    position = torch.arange(orders.shape[2]).expand_as(orders)
+    position = torch.arange(orders.shape[2], device=orders.device).expand_as(orders)
     rank = torch.where(valid, position, position + orders.shape[2])  # kept samples first, both halves in order
     perm = rank.argsort(dim=2)
     return torch.gather(orders, 2, perm), torch.gather(valid, 2, perm)
@@ -69,6 +69,10 @@ class BatchedModel(ABC):
 
     def num_params(self) -> int:
         return sum(math.prod(s) for s in self.shapes().values())
+
+    def to(self, device: torch.device) -> BatchedModel:
+        """Compute on `device` (parameters are passed in; a model holding modules moves them)."""
+        return self
 
 
 class MLP(BatchedModel):
@@ -103,6 +107,7 @@ class MLP(BatchedModel):
         momentum: float = 0.0, sample_mask: Tensor | None = None,
     ) -> None:
         x = x.reshape(x.shape[0], x.shape[1], -1)
+        orders = orders.to(x.device)
         valid = None
         if sample_mask is not None:
             orders, valid = masked_orders(orders, sample_mask)
@@ -120,7 +125,7 @@ class MLP(BatchedModel):
     ) -> None:
         w1, b1, w2, b2 = p["w1"], p["b1"], p["w2"], p["b2"]
         B, n = y.shape
-        rows = torch.arange(B).unsqueeze(1)
+        rows = torch.arange(B, device=y.device).unsqueeze(1)
         vel = {k: torch.zeros_like(v) for k, v in p.items()} if momentum > 0 else None
         for epoch in range(orders.shape[1]):
             steps = n if valid is None else int(valid[:, epoch].sum(1).max())
@@ -186,26 +191,34 @@ class CNN(BatchedModel):
 
     def __init__(self, input_shape: tuple[int, ...], classes: int) -> None:
         c, h, _ = input_shape
+        self.layout = (c, h, classes)
         self.module = PaperCNN(c, h, classes)
         self.module.bn1.momentum = self.module.bn2.momentum = 0.1
         self._shapes = {k: tuple(v.shape) for k, v in self._state().items()}
 
-    def _state(self) -> dict[str, Tensor]:
-        return {k: v for k, v in self.module.state_dict().items() if not k.endswith("num_batches_tracked")}
+    def _state(self, module: nn.Module | None = None) -> dict[str, Tensor]:
+        state = (module or self.module).state_dict()
+        return {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return dict(self._shapes)
 
+    def to(self, device: torch.device) -> CNN:
+        self.module.to(device)
+        return self
+
     def init(self, n: int, generator: torch.Generator) -> Params:
+        """On the CPU, whatever the device (the same seeded models everywhere)."""
         seeds = torch.randint(0, 2**62, (n,), generator=generator)
         stacks: dict[str, list[Tensor]] = {k: [] for k in self._shapes}
+        template = PaperCNN(*self.layout)
         for seed in seeds.tolist():
             with torch.random.fork_rng(devices=[]):  # nn init draws from the global RNG; keep it untouched
                 torch.manual_seed(seed)
-                for m in self.module.modules():
-                    if m is not self.module and hasattr(m, "reset_parameters"):
+                for m in template.modules():
+                    if m is not template and hasattr(m, "reset_parameters"):
                         m.reset_parameters()
-            for k, v in self._state().items():
+            for k, v in self._state(template).items():
                 stacks[k].append(v.detach().clone().float())
         return {k: torch.stack(v) for k, v in stacks.items()}
 
@@ -233,6 +246,7 @@ class CNN(BatchedModel):
         self, params: Params, x: Tensor, y: Tensor, lr: float, orders: Tensor, batch_size: int,
         momentum: float = 0.0, sample_mask: Tensor | None = None,
     ) -> None:
+        orders = orders.to(x.device)
         for b in range(x.shape[0]):
             self._load(params, b)
             self.module.train()
@@ -251,9 +265,11 @@ class CNN(BatchedModel):
             self._store(params, b)
 
 
-def build_model(kind: str, input_shape: tuple[int, ...], hidden: int, classes: int) -> BatchedModel:
+def build_model(
+    kind: str, input_shape: tuple[int, ...], hidden: int, classes: int, device: torch.device | str = "cpu"
+) -> BatchedModel:
     if kind == "mlp":
         return MLP(math.prod(input_shape), hidden, classes)
     if kind == "cnn":
-        return CNN(input_shape, classes)
+        return CNN(input_shape, classes).to(torch.device(device))
     raise ValueError(f"model.kind: unknown model {kind!r} (mlp or cnn)")

@@ -20,7 +20,7 @@ ENV_VARS: dict[str, str] = {
     "DFCA_WORKERS": "how many workers share the clients",
     "DFCA_CHECKPOINT_DIR": "folder where a worker checkpoints its clients after each round",
     "DFCA_DATA_ROOT": "folder with local dataset files (MNIST/EMNIST IDX, CIFAR-10 binary, FEMNIST JSON)",
-    "DFCA_DEVICE": "cpu, cuda or auto: where workers train",
+    "DFCA_DEVICE": "cpu, cuda or auto: where a worker (or the aggregator) computes; unset: the config's `device`",
     "DFCA_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR",
 }
 
@@ -47,7 +47,7 @@ class ServiceSettings:
     workers: int
     checkpoint_dir: str
     data_root: str | None
-    device: str
+    device: str | None
     log_level: str
 
     @classmethod
@@ -64,6 +64,6 @@ class ServiceSettings:
             workers=int(env("DFCA_WORKERS", "1") or 1),
             checkpoint_dir=env("DFCA_CHECKPOINT_DIR", "checkpoints") or "checkpoints",
             data_root=env("DFCA_DATA_ROOT"),
-            device=env("DFCA_DEVICE", "cpu") or "cpu",
+            device=env("DFCA_DEVICE") or None,
             log_level=env("DFCA_LOG_LEVEL", "INFO") or "INFO",
         )

@@ -1,14 +1,22 @@
-"""The simulator: lockstep rounds, all clients in one process, vectorized.
+"""Driver 1, the simulator: lockstep rounds, every client in one process, vectorized.
 
-Aggregation is per-cluster mixing over the graph (core.aggregation). Asynchrony is simulated:
-each message is lost with probability `network.message_loss`, and arrives one round late
-with probability `network.message_delay`. Without loss or delay, sequential aggregation
-(eq. 8) equals batch aggregation (eq. 7) for any arrival order, so both run as one mixing step.
+It runs an algorithm (dfca.algorithms) exactly as the message driver does, but delivers each exchange
+at once, as a mask over the graph's edges. Asynchrony is simulated per exchange: every message is lost
+with probability `network.message_loss`; in a round's first exchange it arrives one round late with
+probability `network.message_delay`. A late message misses its exchange; where the exchange takes stale
+messages and `runtime.staleness` is `merge`, it is folded into the next round's exchange of the same
+name, as the message driver does with a message of an earlier round. An upload to a central role is
+lost, or late and past its deadline, with the same probabilities; the server's models always arrive.
+
+Without loss or delay, sequential aggregation (eq. 8) equals batch aggregation (eq. 7) for any arrival
+order (core.aggregation), so `aggregation` changes nothing here; it decides when the message driver
+folds each model.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,10 +26,13 @@ import networkx as nx
 import torch
 from torch import Tensor
 
-from dfca.algorithms import Algorithm, SimContext, build_algorithm
+from dfca.algorithms import Algorithm, Exchange, HostContext, Inbox, Outbox, clients_of, server_of
+from dfca.algorithms.base import SERVER
+from dfca.algorithms.dfca import warn_if_flood_too_short
 from dfca.collapse import CollapseWatch
 from dfca.config import ExperimentConfig
 from dfca.data import FederatedData, build_federated_data
+from dfca.devices import resolve_device
 from dfca.evaluation import (
     assignment_counts,
     cluster_accuracy,
@@ -30,12 +41,134 @@ from dfca.evaluation import (
     index_consistency,
     populated_clusters,
 )
-from dfca.graph import adjacency_matrix, build_graph
-from dfca.models import Params, build_model
+from dfca.graph import adjacency_matrix, build_graph, neighbours
+from dfca.models import BatchedModel, Params, build_model
+from dfca.schedule import RoundSchedule
 
 log = logging.getLogger(__name__)
 
 RoundCallback = Callable[[dict[str, Any]], None]
+WIRE_BYTES = {"float32": 4, "float16": 2}
+
+
+@dataclass
+class SimContext:
+    cfg: ExperimentConfig
+    model: BatchedModel
+    data: FederatedData
+    graph: nx.Graph
+    adjacency: Tensor  # [N, N] bool
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def n(self) -> int:
+        return self.adjacency.shape[0]
+
+
+def prepare(cfg: ExperimentConfig, data: FederatedData | None = None) -> SimContext:
+    device = resolve_device(cfg.device)
+    data = (data if data is not None else build_federated_data(cfg)).to(device)
+    graph = build_graph(cfg.topology, data.num_clients, cfg.seed)
+    model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, device)
+    return SimContext(cfg, model, data, graph, adjacency_matrix(graph, data.num_clients).to(device), device)
+
+
+def delivery_masks(
+    adjacency: Tensor, loss: float, delay: float, generator: torch.Generator
+) -> tuple[Tensor, Tensor | None]:
+    """(on_time, late) [N, N] bool masks over the graph's directed edges."""
+    if loss == 0 and delay == 0:
+        return adjacency, None
+    u = torch.rand(adjacency.shape, generator=generator).to(adjacency.device)
+    kept = adjacency & (u >= loss)
+    if delay == 0:
+        return kept, None
+    late = kept & (torch.rand(adjacency.shape, generator=generator).to(adjacency.device) < delay)
+    return kept & ~late, late
+
+
+class Simulation:
+    """An algorithm (and its central role, if any) over all N clients, round by round."""
+
+    def __init__(self, ctx: SimContext) -> None:
+        cfg = ctx.cfg
+        self.ctx, self.schedule = ctx, RoundSchedule(cfg)
+        graph = neighbours(ctx.graph)
+        self.algorithm = clients_of(HostContext(cfg, ctx.model, ctx.data, list(range(ctx.n)), graph, ctx.device, True))
+        self.server = server_of(HostContext(cfg, ctx.model, None, [SERVER], graph, ctx.device, True))
+        self.net = torch.Generator().manual_seed(cfg.seed * 31 + 1)
+        self.gossip = torch.Generator().manual_seed(cfg.seed * 31 + 11)
+        self.uplink = torch.Generator().manual_seed(cfg.seed * 31 + 5)
+        self.late: tuple[str, Tensor, Outbox, int] | None = None  # a round's late messages, kept for the next
+        self.round_bytes = 0.0  # bytes on the network in the last round, per client
+        if self.schedule.seeding_rounds and (warning := warn_if_flood_too_short(ctx.graph, self.schedule.flood_rounds)):
+            log.warning(warning)
+
+    @property
+    def participants(self) -> list[Algorithm]:
+        return [self.algorithm] if self.server is None else [self.algorithm, self.server]
+
+    def side(self, name: str) -> Algorithm:
+        return self.server if name == "server" and self.server is not None else self.algorithm
+
+    def run_round(self, t: int) -> None:
+        cfg, adjacency = self.ctx.cfg, self.ctx.adjacency
+        on_time, late = delivery_masks(adjacency, cfg.network.message_loss, cfg.network.message_delay, self.net)
+        merge_late = cfg.runtime.staleness == "merge"
+        earlier, self.late = self.late, None
+        for p in self.participants:
+            p.begin_round(t)
+        sent = 0.0
+        for index, ex in enumerate(self.algorithm.exchanges(t)):
+            out = self.side(ex.sender).send(ex)
+            sent += self.traffic(ex, out)
+            receiver = self.side(ex.receiver)
+            mask = on_time if index == 0 else adjacency & self.kept(adjacency.shape)
+            receiver.receive(ex, Inbox(self.delivered(ex, out, mask), self.senders(ex, out), out.part, out.tensors, t))
+            if ex.stale_ok and merge_late and earlier is not None and earlier[0] == ex.name:
+                _, late_mask, late_out, sent_in = earlier
+                receiver.receive(ex, Inbox(late_mask[:, late_out.row], self.senders(ex, late_out), late_out.part,
+                                           late_out.tensors, sent_in))
+            if index == 0 and late is not None and ex.stale_ok and merge_late and ex.receiver == "clients":
+                self.late = (ex.name, late, out.frozen(), t)
+            for p in self.participants:
+                p.end_exchange(ex)
+        for p in self.participants:
+            p.end_round(t)
+        self.round_bytes = sent / self.ctx.n
+
+    def kept(self, shape: torch.Size) -> Tensor:
+        """A later exchange's mask of messages not lost (it has no late ones: they miss their step)."""
+        loss = self.ctx.cfg.network.message_loss
+        if loss == 0:
+            return torch.ones(shape, dtype=torch.bool, device=self.ctx.device)
+        return (torch.rand(shape, generator=self.gossip) >= loss).to(self.ctx.device)
+
+    def delivered(self, ex: Exchange, out: Outbox, mask: Tensor) -> Tensor:
+        n, messages = self.ctx.n, out.row.shape[0]
+        if ex.sender == "server":
+            return torch.ones(n, messages, dtype=torch.bool, device=self.ctx.device)
+        if ex.receiver == "server":
+            net = self.ctx.cfg.network
+            arrived = torch.ones(n, dtype=torch.bool)
+            if net.message_loss or net.message_delay:  # the upload reached the server before its deadline
+                arrived = torch.rand(n, generator=self.uplink) >= 1.0 - (1 - net.message_loss) * (1 - net.message_delay)
+            return arrived.to(self.ctx.device)[out.row].unsqueeze(0)
+        return mask[:, out.row]
+
+    def senders(self, ex: Exchange, out: Outbox) -> Tensor:
+        return torch.full_like(out.row, SERVER) if ex.sender == "server" else out.row
+
+    def traffic(self, ex: Exchange, out: Outbox) -> float:
+        """Model bytes put on the network: each message once per receiver."""
+        size = WIRE_BYTES[self.ctx.cfg.runtime.payload_dtype]
+        spec = self.side(ex.sender).payload(ex)
+        per_message = size * sum(math.prod(s.shape) for s in spec.values() if s.kind == "model")
+        if ex.sender == "server":
+            return per_message * out.row.shape[0] * self.ctx.n
+        if ex.receiver == "server":
+            return float(per_message * out.row.shape[0])
+        return per_message * float(self.ctx.adjacency[out.row].sum())
 
 
 @dataclass
@@ -45,71 +178,44 @@ class RunResult:
     final_models: dict[str, Params]
     assigned: Tensor
     graph: nx.Graph
-    algorithm: Algorithm
+    simulation: Simulation
     warnings: list[str] = field(default_factory=list)
 
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda was asked for but no CUDA device is available")
-    if name != "cpu":
-        log.warning("device: %s is accepted but not used yet: the simulator and hosts compute on the CPU", name)
-    return torch.device(name)
+    @property
+    def algorithm(self) -> Algorithm:
+        return self.simulation.algorithm
 
 
-def delivery_masks(
-    adjacency: Tensor, loss: float, delay: float, generator: torch.Generator
-) -> tuple[Tensor, Tensor | None]:
-    """(on_time, late) [N, N] bool masks over the graph's directed edges."""
-    if loss == 0 and delay == 0:
-        return adjacency, None
-    u = torch.rand(adjacency.shape, generator=generator)
-    kept = adjacency & (u >= loss)
-    if delay == 0:
-        return kept, None
-    late = kept & (torch.rand(adjacency.shape, generator=generator) < delay)
-    return kept & ~late, late
-
-
-def round_record(
-    algo: Algorithm, t: int, truth: Tensor, k: int, adjacency: Tensor, sample: torch.Generator
-) -> dict[str, Any]:
-    ev = algo.evaluate()
+def round_record(sim: Simulation, t: int, sample: torch.Generator) -> dict[str, Any]:
+    ev = sim.algorithm.evaluate()
+    truth, k = sim.ctx.data.true_cluster, sim.ctx.cfg.clusters
+    assigned = ev.assigned.cpu()
     record: dict[str, Any] = {
         "round": t + 1,
         "test_accuracy": float(ev.test_accuracy.mean()),
         "test_accuracy_std": float(ev.test_accuracy.std()) if ev.test_accuracy.numel() > 1 else 0.0,
         "train_loss": float(ev.train_loss.mean()),
-        "assignment_counts": assignment_counts(ev.assigned, k),
-        "populated_clusters": populated_clusters(ev.assigned),
-        "ari": cluster_ari(ev.assigned, truth),
-        "cluster_acc": cluster_accuracy(ev.assigned, truth),
-        "bytes_sent_per_client": algo.bytes_sent_per_client(),
+        "assignment_counts": assignment_counts(assigned, k),
+        "populated_clusters": populated_clusters(assigned),
+        "ari": cluster_ari(assigned, truth.cpu()),
+        "cluster_acc": cluster_accuracy(assigned, truth.cpu()),
+        "bytes_sent_per_client": sim.round_bytes,
     }
     if ev.cluster_params is not None:
         record["disagreement"] = disagreement(ev.cluster_params)
-        record["index_consistency"] = index_consistency(ev.cluster_params, sampled_edges(adjacency, sample))
+        record["index_consistency"] = index_consistency(ev.cluster_params, sampled_edges(sim.ctx.adjacency, sample))
     return record
 
 
 def sampled_edges(adjacency: Tensor, generator: torch.Generator, most: int = 200) -> Tensor:
     """At most `most` undirected edges of the graph, as an adjacency matrix (keeps metrics cheap)."""
-    src, dst = torch.nonzero(torch.triu(adjacency, diagonal=1), as_tuple=True)
+    src, dst = torch.nonzero(torch.triu(adjacency, diagonal=1).cpu(), as_tuple=True)
     if src.numel() > most:
         keep = torch.randperm(src.numel(), generator=generator)[:most]
         src, dst = src[keep], dst[keep]
     out = torch.zeros_like(adjacency)
-    out[src, dst] = True
+    out[src.to(adjacency.device), dst.to(adjacency.device)] = True
     return out
-
-
-def prepare(cfg: ExperimentConfig, data: FederatedData | None = None) -> SimContext:
-    data = data if data is not None else build_federated_data(cfg)
-    graph = build_graph(cfg.topology, data.num_clients, cfg.seed)
-    model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes)
-    return SimContext(cfg, model, data, graph, adjacency_matrix(graph, data.num_clients))
 
 
 def simulate(
@@ -119,31 +225,30 @@ def simulate(
 ) -> RunResult:
     """Run `cfg` in the simulator and return its history, summary and final models."""
     torch.set_flush_denormal(True)  # denormals made some rounds 5-8x slower
-    resolve_device(cfg.device)
     start = time.perf_counter()
-    ctx = prepare(cfg, data)
-    algo = build_algorithm(ctx)
-    truth = ctx.data.true_cluster
-    net = torch.Generator().manual_seed(cfg.seed * 31 + 1)
+    sim = Simulation(prepare(cfg, data))
+    schedule = sim.schedule
     sample = torch.Generator().manual_seed(cfg.seed * 31 + 2)
     watch = CollapseWatch(cfg.clusters)
     history: list[dict[str, Any]] = []
-    for t in range(cfg.total_rounds):
+    for t in range(schedule.total_rounds):
         t0 = time.perf_counter()
-        on_time, late = delivery_masks(ctx.adjacency, cfg.network.message_loss, cfg.network.message_delay, net)
-        algo.run_round(t, on_time, late)
-        if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.total_rounds:
-            record = round_record(algo, t, truth, cfg.clusters, ctx.adjacency, sample)
+        sim.run_round(t)
+        if (t + 1) % cfg.eval_every == 0 or t + 1 == schedule.total_rounds:
+            record = round_record(sim, t, sample)
             record["seconds"] = time.perf_counter() - t0
-            record["phase"] = "seeding" if t < cfg.seeding_rounds else "training"
+            record["phase"] = schedule.phase(t)
             record["warnings"] = watch.observe(record)
             history.append(record)
             if on_round is not None:
                 on_round(record)
-    final = algo.evaluate()
-    wall = time.perf_counter() - start
-    summary = build_summary(cfg, history, final.test_accuracy, final.assigned, truth, wall, watch.warnings)
-    return RunResult(history, summary, algo.final_models(), final.assigned, ctx.graph, algo, watch.warnings)
+    final = sim.algorithm.evaluate()
+    truth = sim.ctx.data.true_cluster.cpu()
+    summary = build_summary(cfg, history, final.test_accuracy.cpu(), final.assigned.cpu(), truth,
+                            time.perf_counter() - start, watch.warnings)
+    summary["device"] = str(sim.ctx.device)
+    models = (sim.server or sim.algorithm).final_models()
+    return RunResult(history, summary, models, final.assigned.cpu(), sim.ctx.graph, sim, watch.warnings)
 
 
 def build_summary(
@@ -162,7 +267,7 @@ def build_summary(
         "init": cfg.init,
         "aggregation": cfg.aggregation,
         "rounds": cfg.rounds,
-        "seeding_rounds": cfg.seeding_rounds,
+        "seeding_rounds": RoundSchedule(cfg).seeding_rounds,
         "clients": int(truth.numel()),
         "clusters": cfg.clusters,
         "seed": cfg.seed,

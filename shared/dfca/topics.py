@@ -1,9 +1,10 @@
 """Exchange names, routing keys and queue names: the one place that defines them.
 
-Model messages go to the topic exchange `dfca.models` with the routing key
-`<experiment_id>.<sender_client_id>.<cluster_id>`. A client's queue binds to
-`<experiment_id>.<neighbour_id>.*` for each current neighbour, so routing is
-keyed by neighbour and cluster id.
+Algorithm messages go to the topic exchange `dfca.models` with the routing key
+`<experiment_id>.<sender_client_id>.<cluster_id>` (`server` in place of the client id for a central
+role). A client's queue binds to `<experiment_id>.<neighbour_id>.*` for each current neighbour (and
+to `<experiment_id>.server.*` when its algorithm has a server), so routing is keyed by sender and
+cluster id.
 """
 
 from __future__ import annotations
@@ -34,16 +35,27 @@ def check_word(value: str, what: str) -> str:
     return value
 
 
-def model_key(experiment: str, sender: int, cluster: int) -> str:
-    return f"{check_word(experiment, 'experiment id')}.{int(sender)}.{int(cluster)}"
+SERVER_SENDER = -1  # the sender id of a central role (IFCA's server); routing key word "server"
+SERVER_WORD = "server"
+
+
+def model_key(experiment: str, sender: int, part: int) -> str:
+    """Routing key of a message that `sender` (a client, or SERVER_SENDER) sends for cluster `part`."""
+    word = SERVER_WORD if sender == SERVER_SENDER else str(int(sender))
+    return f"{check_word(experiment, 'experiment id')}.{word}.{int(part)}"
 
 
 def parse_model_key(key: str) -> tuple[str, int, int]:
-    """Inverse of `model_key`; raises ValueError on a malformed key."""
+    """Inverse of `model_key`: (experiment, sender, part); raises ValueError on a malformed key."""
     parts = key.split(".")
     if len(parts) != 3:
         raise ValueError(f"model routing key {key!r} must have 3 words")
-    return parts[0], int(parts[1]), int(parts[2])
+    if parts[1] == SERVER_WORD:
+        return parts[0], SERVER_SENDER, int(parts[2])
+    sender = int(parts[1])
+    if sender < 0:
+        raise ValueError(f"model routing key {key!r}: a client id is not negative")
+    return parts[0], sender, int(parts[2])
 
 
 def neighbour_binding(experiment: str, neighbour: int) -> str:
@@ -60,28 +72,13 @@ def client_queue(experiment: str, client: int) -> str:
 
 
 def server_queue(experiment: str) -> str:
-    """Queue of the central aggregator (IFCA server, GI initial models)."""
+    """Queue of an experiment's central role in the aggregator (IFCA's server)."""
     return f"dfca.{check_word(experiment, 'experiment id')}.server"
-
-
-SERVER_SENDER = -1  # sender id the aggregator uses in headers; routing key word "server"
-
-
-def server_key(experiment: str, cluster: int) -> str:
-    return f"{check_word(experiment, 'experiment id')}.server.{int(cluster)}"
 
 
 def server_binding(experiment: str) -> str:
     """Binding key that delivers every cluster's model from the aggregator (IFCA's server)."""
-    return f"{check_word(experiment, 'experiment id')}.server.*"
-
-
-def parse_server_key(key: str) -> tuple[str, int]:
-    """Inverse of `server_key`: (experiment, cluster); raises ValueError on any other key."""
-    parts = key.split(".")
-    if len(parts) != 3 or parts[1] != "server":
-        raise ValueError(f"server routing key {key!r} must be <experiment>.server.<cluster>")
-    return parts[0], int(parts[2])
+    return f"{check_word(experiment, 'experiment id')}.{SERVER_WORD}.*"
 
 
 def control_key(experiment: str, event: str) -> str:

@@ -1,44 +1,61 @@
-"""Wire format of model messages: safetensors bytes plus string headers.
+"""The wire format of algorithm messages: safetensors bytes plus string headers.
 
-Nothing that crosses a process boundary is pickled. A payload that fails to
-decode, has wrong shapes or dtypes, holds NaN/Inf or fails its sha256 is
-rejected with `PayloadRejected`; callers count and log it and never apply it.
+A message is what one hosted row sends in one exchange: named tensors, checked against the exchange's
+payload spec, and the headers experiment, sender, round, exchange, step, part, sha256, dtype and version.
+Its routing key is `<experiment>.<sender>.<part>` (dfca.topics). Tensors travel as CPU tensors: model
+tensors in `runtime.payload_dtype`, weights in float32 or float64, indices in int64. Nothing that crosses
+a process boundary is pickled.
+
+`decode_message` is the one decoder: it checks the routing key against the headers (a spoofed sender or
+part), the experiment, the exchange (`spec_of` names its payload, or rejects an exchange the round does
+not have), the checksum, and every tensor's name, shape, dtype and values (NaN/Inf; negative weights).
+A message that fails raises `PayloadRejected`; callers count and dead-letter it and never apply it.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-WIRE_VERSION = "1"
-MODEL_KIND = "model"  # optional `kind` header of a model update; consensus payloads say "consensus"
-HEADER_KEYS = ("experiment", "sender", "round", "cluster", "samples", "sha256", "dtype", "version")
+from dfca import topics
+
+WIRE_VERSION = "2"
+HEADER_KEYS = ("experiment", "sender", "round", "exchange", "step", "part", "sha256", "dtype", "version")
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @dataclass(frozen=True)
-class ModelUpdate:
-    """One client's model for one cluster after one round."""
+class TensorSpec:
+    """A payload tensor: its shape, and its kind on the wire (model: `runtime.payload_dtype`)."""
+
+    shape: tuple[int, ...]
+    kind: Literal["model", "float32", "float64", "int64"] = "model"
+
+
+Spec = Mapping[str, TensorSpec]
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """One message: who sent it, in which round and exchange, routed by which part, carrying what."""
 
     experiment: str
     sender: int
     round: int
-    cluster: int
-    samples: int
-    params: dict[str, torch.Tensor]
-
-    @property
-    def identity(self) -> tuple[str, int, int, int]:
-        """(experiment, sender, round, cluster): a model is applied at most once per identity."""
-        return (self.experiment, self.sender, self.round, self.cluster)
+    exchange: str
+    step: int
+    part: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class PayloadRejected(ValueError):
-    """A model message that must not be applied. `reason` is a short metric label."""
+    """A message that must not be applied. `reason` is a short metric label."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -49,17 +66,25 @@ def sha256(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
-def encode_update(update: ModelUpdate, dtype: torch.dtype = torch.float32) -> tuple[bytes, dict[str, str]]:
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in update.params.items()}
+def _wire_dtype(spec: TensorSpec, model_dtype: torch.dtype) -> torch.dtype:
+    return {"model": model_dtype, "float32": torch.float32, "float64": torch.float64, "int64": torch.int64}[spec.kind]
+
+
+def encode_message(
+    envelope: Envelope, spec: Spec, model_dtype: torch.dtype = torch.float32
+) -> tuple[bytes, dict[str, str]]:
+    tensors = {n: envelope.tensors[n].detach().to("cpu", _wire_dtype(s, model_dtype)).contiguous()
+               for n, s in spec.items()}
     body = st_save(tensors)
     headers = {
-        "experiment": update.experiment,
-        "sender": str(update.sender),
-        "round": str(update.round),
-        "cluster": str(update.cluster),
-        "samples": str(update.samples),
+        "experiment": envelope.experiment,
+        "sender": str(envelope.sender),
+        "round": str(envelope.round),
+        "exchange": envelope.exchange,
+        "step": str(envelope.step),
+        "part": str(envelope.part),
         "sha256": sha256(body),
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(model_dtype).removeprefix("torch."),
         "version": WIRE_VERSION,
     }
     return body, headers
@@ -72,178 +97,61 @@ def _int_header(headers: Mapping[str, object], key: str) -> int:
         raise PayloadRejected("bad_header", f"header {key!r} missing or not an integer") from err
 
 
-def decode_update(
-    body: bytes,
-    headers: Mapping[str, object],
-    expected: Mapping[str, tuple[int, ...]],
-) -> ModelUpdate:
-    """Check and decode a model message. `expected` maps parameter names to shapes."""
-    if "kind" in headers and str(headers["kind"]) != MODEL_KIND:
-        raise PayloadRejected("kind", f"kind {headers['kind']!r} is not a model update")
+def read_headers(routing_key: str, headers: Mapping[str, object], experiment: str) -> Envelope:
+    """The message's envelope without its tensors, checked against its routing key and experiment."""
     for key in HEADER_KEYS:
         if key not in headers:
             raise PayloadRejected("bad_header", f"header {key!r} missing")
-    if sha256(body) != str(headers["sha256"]):
-        raise PayloadRejected("checksum", "sha256 of the body does not match its header")
     try:
-        tensors = st_load(bytes(body))
-    except Exception as err:  # safetensors raises several types on garbage
-        raise PayloadRejected("decode", f"not a safetensors payload: {err}") from err
-    if set(tensors) != set(expected):
-        raise PayloadRejected("shape", f"parameter names {sorted(tensors)} != {sorted(expected)}")
-    params: dict[str, torch.Tensor] = {}
-    for name, shape in expected.items():
-        t = tensors[name]
-        if tuple(t.shape) != tuple(shape):
-            raise PayloadRejected("shape", f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise PayloadRejected("dtype", f"{name} has dtype {t.dtype}")
-        t = t.to(torch.float32)
-        if not torch.isfinite(t).all():
-            raise PayloadRejected("non_finite", f"{name} contains NaN or Inf")
-        params[name] = t
-    return ModelUpdate(
-        experiment=str(headers["experiment"]),
-        sender=_int_header(headers, "sender"),
-        round=_int_header(headers, "round"),
-        cluster=_int_header(headers, "cluster"),
-        samples=_int_header(headers, "samples"),
-        params=params,
-    )
-
-
-# -- consensus payloads (robust DFCA: one message per client and gossip step, all k clusters) ----------
-CONSENSUS_KIND = "consensus"
-CONSENSUS_HEADER_KEYS = ("experiment", "sender", "round", "step", "clusters", "kind", "sha256", "dtype", "version")
-DEN_TENSOR = "den"
-
-
-@dataclass(frozen=True)
-class ConsensusUpdate:
-    """One client's ratio-consensus state after a gossip step: num [k, ...] per parameter, den [k]."""
-
-    experiment: str
-    sender: int
-    round: int
-    step: int
-    num: dict[str, torch.Tensor]
-    den: torch.Tensor
-
-    @property
-    def identity(self) -> tuple[str, int, int, int]:
-        """(experiment, sender, round, step): a gossip message is applied at most once per identity."""
-        return (self.experiment, self.sender, self.round, self.step)
-
-
-def is_consensus(headers: Mapping[str, object]) -> bool:
-    return str(headers.get("kind", "")) == CONSENSUS_KIND
-
-
-def consensus_tensor_name(cluster: int, param: str) -> str:
-    return f"c{cluster}.{param}"
-
-
-def encode_consensus(update: ConsensusUpdate, dtype: torch.dtype = torch.float32) -> tuple[bytes, dict[str, str]]:
-    """num in `dtype` (the payload dtype), den always float32 (weights like 1/3 must not round)."""
-    k = int(update.den.shape[0])
-    tensors = {
-        consensus_tensor_name(j, name): v[j].detach().to("cpu", dtype).contiguous()
-        for name, v in update.num.items() for j in range(k)
-    }
-    tensors[DEN_TENSOR] = update.den.detach().to("cpu", torch.float32).contiguous()
-    body = st_save(tensors)
-    headers = {
-        "experiment": update.experiment,
-        "sender": str(update.sender),
-        "round": str(update.round),
-        "cluster": "0",
-        "step": str(update.step),
-        "clusters": str(k),
-        "kind": CONSENSUS_KIND,
-        "sha256": sha256(body),
-        "dtype": str(dtype).removeprefix("torch."),
-        "version": WIRE_VERSION,
-    }
-    return body, headers
-
-
-def _checked_float(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    if tuple(t.shape) != tuple(shape):
-        raise PayloadRejected("shape", f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise PayloadRejected("dtype", f"{name} has dtype {t.dtype}")
-    t = t.to(torch.float32)
-    if not torch.isfinite(t).all():
-        raise PayloadRejected("non_finite", f"{name} contains NaN or Inf")
-    return t
-
-
-def decode_consensus(
-    body: bytes,
-    headers: Mapping[str, object],
-    expected: Mapping[str, tuple[int, ...]],
-    clusters: int,
-) -> ConsensusUpdate:
-    """Check and decode a consensus message: `expected` maps parameter names to one model's shapes."""
-    for key in CONSENSUS_HEADER_KEYS:
-        if key not in headers:
-            raise PayloadRejected("bad_header", f"header {key!r} missing")
-    if not is_consensus(headers):
-        raise PayloadRejected("kind", f"kind {headers['kind']!r} is not {CONSENSUS_KIND!r}")
-    if _int_header(headers, "clusters") != clusters:
-        raise PayloadRejected("cluster", f"{headers['clusters']} clusters, expected {clusters}")
-    if sha256(body) != str(headers["sha256"]):
-        raise PayloadRejected("checksum", "sha256 of the body does not match its header")
-    try:
-        tensors = st_load(bytes(body))
-    except Exception as err:  # safetensors raises several types on garbage
-        raise PayloadRejected("decode", f"not a safetensors payload: {err}") from err
-    names = {consensus_tensor_name(j, n) for n in expected for j in range(clusters)} | {DEN_TENSOR}
-    if set(tensors) != names:
-        raise PayloadRejected("shape", f"tensor names {sorted(tensors)} != {sorted(names)}")
-    den = _checked_float(DEN_TENSOR, tensors[DEN_TENSOR], (clusters,))
-    if bool((den < 0).any()):
-        raise PayloadRejected("den", "negative consensus weight")
-    num = {
-        name: torch.stack([_checked_float(consensus_tensor_name(j, name), tensors[consensus_tensor_name(j, name)],
-                                          shape) for j in range(clusters)])
-        for name, shape in expected.items()
-    }
-    return ConsensusUpdate(
-        experiment=str(headers["experiment"]),
-        sender=_int_header(headers, "sender"),
-        round=_int_header(headers, "round"),
-        step=_int_header(headers, "step"),
-        num=num,
-        den=den,
-    )
-
-
-def decode_routed_update(
-    routing_key: str,
-    body: bytes,
-    headers: Mapping[str, object],
-    expected: Mapping[str, tuple[int, ...]],
-    experiment: str,
-    clusters: int,
-) -> ModelUpdate:
-    """Decode a model message and check it against its routing key `<experiment>.<sender>.<cluster>`.
-
-    Rejects (PayloadRejected) a malformed key, a header that disagrees with the key (a spoofed
-    sender or cluster), another experiment's model and a cluster outside 0..clusters-1.
-    """
-    from dfca import topics
-
-    try:
-        key_experiment, sender, cluster = topics.parse_model_key(routing_key)
+        key_experiment, sender, part = topics.parse_model_key(routing_key)
     except ValueError as err:
         raise PayloadRejected("routing_key", str(err)) from err
-    update = decode_update(body, headers, expected)
-    if (update.experiment, update.sender, update.cluster) != (key_experiment, sender, cluster):
-        raise PayloadRejected("spoofed", f"headers say sender {update.sender} cluster {update.cluster}, "
-                              f"routing key {routing_key!r}")
-    if update.experiment != experiment:
-        raise PayloadRejected("experiment", f"model of experiment {update.experiment!r}")
-    if not 0 <= update.cluster < clusters:
-        raise PayloadRejected("cluster", f"cluster {update.cluster} outside 0..{clusters - 1}")
-    return update
+    head = Envelope(str(headers["experiment"]), _int_header(headers, "sender"), _int_header(headers, "round"),
+                    str(headers["exchange"]), _int_header(headers, "step"), _int_header(headers, "part"))
+    if (head.experiment, head.sender, head.part) != (key_experiment, sender, part):
+        raise PayloadRejected("spoofed", f"headers say sender {head.sender} part {head.part}, routing key "
+                              f"{routing_key!r}")
+    if head.experiment != experiment:
+        raise PayloadRejected("experiment", f"a message of experiment {head.experiment!r}")
+    return head
+
+
+def read_tensors(body: bytes, headers: Mapping[str, object], spec: Spec) -> dict[str, torch.Tensor]:
+    """The payload's tensors, checked against `spec`: models come back as float32."""
+    if sha256(body) != str(headers.get("sha256")):
+        raise PayloadRejected("checksum", "sha256 of the body does not match its header")
+    try:
+        tensors = st_load(bytes(body))
+    except Exception as err:  # safetensors raises several types on garbage
+        raise PayloadRejected("decode", f"not a safetensors payload: {err}") from err
+    if set(tensors) != set(spec):
+        raise PayloadRejected("shape", f"tensor names {sorted(tensors)} != {sorted(spec)}")
+    out: dict[str, torch.Tensor] = {}
+    for name, s in spec.items():
+        t = tensors[name]
+        if tuple(t.shape) != tuple(s.shape):
+            raise PayloadRejected("shape", f"{name} has shape {tuple(t.shape)}, expected {tuple(s.shape)}")
+        if s.kind == "int64":
+            if t.dtype != torch.int64:
+                raise PayloadRejected("dtype", f"{name} has dtype {t.dtype}, expected int64")
+            out[name] = t
+            continue
+        if t.dtype not in FLOATS:
+            raise PayloadRejected("dtype", f"{name} has dtype {t.dtype}")
+        t = t.to(torch.float64 if s.kind == "float64" else torch.float32)
+        if not torch.isfinite(t).all():
+            raise PayloadRejected("non_finite", f"{name} contains NaN or Inf")
+        if s.kind != "model" and bool((t < 0).any()):
+            raise PayloadRejected("negative", f"{name} holds a negative weight")
+        out[name] = t
+    return out
+
+
+def decode_message(
+    routing_key: str, body: bytes, headers: Mapping[str, object], experiment: str,
+    spec_of: Callable[[Envelope], Spec],
+) -> Envelope:
+    """Check and decode one message; `spec_of(envelope)` gives its exchange's payload or raises PayloadRejected."""
+    head = read_headers(routing_key, headers, experiment)
+    tensors = read_tensors(body, headers, spec_of(head))
+    return Envelope(head.experiment, head.sender, head.round, head.exchange, head.step, head.part, tensors)

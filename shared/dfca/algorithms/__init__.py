@@ -1,28 +1,40 @@
-"""Algorithms of the simulator, by config name."""
+"""The algorithms, by config name: each one file, run unchanged by the simulator and the message driver.
+
+Adding one: write `algorithms/<name>.py` against `algorithms.base.Algorithm` (and a central role, if it
+has one, against the same interface), then register it here and in `config.ALGORITHMS`.
+"""
 
 from __future__ import annotations
 
-from dfca.algorithms.base import Algorithm, Evaluation, SimContext
+from dfca.algorithms.base import Algorithm, Evaluation, Exchange, HostContext, Inbox, Outbox
 from dfca.algorithms.dfca import DFCA
-from dfca.algorithms.dfedavgm import DFedAvgM
+from dfca.algorithms.dfedavgm import DFedAvgM, LocalOnly
 from dfca.algorithms.fedspd import FedSPD
-from dfca.algorithms.ifca import IFCA
-from dfca.algorithms.local import LocalOnly
+from dfca.algorithms.ifca import IFCA, IFCAServer
 
-REGISTRY: dict[str, type[Algorithm]] = {
+CLIENTS: dict[str, type[Algorithm]] = {
     "dfca": DFCA,
     "ifca": IFCA,
     "dfedavgm": DFedAvgM,
     "fedspd": FedSPD,
     "local": LocalOnly,
 }
+SERVERS: dict[str, type[Algorithm]] = {"ifca": IFCAServer}  # central roles (the aggregator runs them)
 
 
-def build_algorithm(ctx: SimContext) -> Algorithm:
+def clients_of(ctx: HostContext) -> Algorithm:
+    """The algorithm of `ctx.cfg.algorithm` for the clients `ctx.clients`."""
     name = ctx.cfg.algorithm
-    if name not in REGISTRY:
-        raise ValueError(f"algorithm: {name!r} is not implemented yet (available: {sorted(REGISTRY)})")
-    return REGISTRY[name](ctx)
+    if name not in CLIENTS:
+        raise ValueError(f"algorithm: {name!r} is not implemented yet (available: {sorted(CLIENTS)})")
+    return CLIENTS[name](ctx)
 
 
-__all__ = ["REGISTRY", "Algorithm", "Evaluation", "SimContext", "build_algorithm"]
+def server_of(ctx: HostContext) -> Algorithm | None:
+    """The central role of `ctx.cfg.algorithm`, or None for a serverless one."""
+    role = SERVERS.get(ctx.cfg.algorithm)
+    return role(ctx) if role is not None else None
+
+
+__all__ = ["CLIENTS", "SERVERS", "Algorithm", "Evaluation", "Exchange", "HostContext", "Inbox", "Outbox",
+           "clients_of", "server_of"]

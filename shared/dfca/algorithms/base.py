@@ -1,80 +1,232 @@
-"""The Algorithm interface of the lockstep simulator. Kept short on purpose."""
+"""The algorithm interface: each algorithm is written once, and both drivers run it unchanged.
+
+An algorithm holds batched state over the participants one driver hosts: rows of clients (all N in
+the simulator, a worker's M on the runtime) or the single row of a central role (IFCA's server). A
+round is a list of message exchanges (`exchanges(t)`). The driver runs it so:
+
+    begin_round(t)
+    for each exchange ex of round t:
+        send(ex)                 -> Outbox: what every hosted row publishes (if this side sends in ex)
+        receive(ex, inbox)       -> fold what arrived (if this side receives in ex); called with all of an
+                                    exchange's messages at once (simulator) or one message at a time (runtime)
+        end_exchange(ex)
+    end_round(t)
+
+`evaluate`, `state` / `load_state` and `final_models` report and persist. A message's routing `part`
+is a cluster index (0 where there is one model); its tensors are checked against `payload(ex)`.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
 
-import networkx as nx
 import torch
 from torch import Tensor
 
+from dfca import topics
 from dfca.config import ExperimentConfig
+from dfca.core import accuracy_with, loss_matrix
 from dfca.data import FederatedData
 from dfca.models import BatchedModel, Params
+from dfca.schedule import RoundSchedule
+from dfca.wire import TensorSpec
+
+Side = Literal["clients", "server"]
+SERVER = topics.SERVER_SENDER  # the sender id of a central role
+Graph = Mapping[int, list[int]]
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One message exchange of a round: every `sender` row publishes, the `receiver` side collects.
+
+    sender clients, receiver clients: to the sender's graph neighbours; sender clients, receiver server:
+    to the central role; sender server: to every client. `parts`: messages per sender (the server's k
+    models). `averaged`: the messages enter a running average (eq. 7/8), so under `aggregation: batch`
+    the message driver holds them and folds them in sender order when the exchange closes. `stale_ok`: a
+    message that arrives after its exchange closed may still be folded into the next round's exchange of
+    the same name (`runtime.staleness: merge`). `wait`: the deadline, in round timeouts. `needs_arrival`:
+    the deadline counts from the first arrival (a server does not close an empty round).
+    """
+
+    name: str
+    step: int = 0
+    sender: Side = "clients"
+    receiver: Side = "clients"
+    parts: int = 1
+    averaged: bool = False
+    stale_ok: bool = False
+    wait: float = 1.0
+    needs_arrival: bool = False
+
+
+class LazyTensors(Mapping[str, Tensor]):
+    """Tensors computed on first access: what a row sends when only a driver that encodes needs it."""
+
+    def __init__(self, names: list[str], make: Any, ready: Mapping[str, Tensor] | None = None) -> None:
+        self._names, self._make, self._made = names, make, dict(ready or {})
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._made:
+            self._made.update(self._make())
+        return self._made[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 @dataclass
-class SimContext:
-    cfg: ExperimentConfig
-    model: BatchedModel
-    data: FederatedData
-    graph: nx.Graph
-    adjacency: Tensor  # [N, N] bool
+class Outbox:
+    """What the hosted rows publish in one exchange: message s comes from row `row[s]`, routed by `part[s]`,
+    and carries `tensors[name][s]`. The simulator hands the tensors to `receive` as they are, so they must not
+    be views of state that `receive` changes."""
 
-    @property
-    def n(self) -> int:
-        return self.adjacency.shape[0]
+    row: Tensor  # [S] long
+    part: Tensor  # [S] long
+    tensors: Mapping[str, Tensor]
+
+    def frozen(self) -> Outbox:
+        """A copy that later changes of the senders' state do not reach (for messages delivered late)."""
+        return Outbox(self.row.clone(), self.part.clone(), {n: self.tensors[n].clone() for n in self.tensors})
+
+
+@dataclass
+class Inbox:
+    """Messages delivered to the hosted rows: delivered[i, s] says row i received message s."""
+
+    delivered: Tensor  # [M, S] bool
+    sender: Tensor  # [S] long: the global id of each message's sender (SERVER for a central role)
+    part: Tensor  # [S] long
+    tensors: Mapping[str, Tensor]  # name -> [S, ...]
+    round: int  # the round the messages were sent in (earlier than now: stale, `runtime.staleness: merge`)
 
 
 @dataclass
 class Evaluation:
-    """Per-client state after a round."""
+    """The hosted clients' state after a round."""
 
-    assigned: Tensor  # [N] cluster each client would use now (argmin of train loss)
-    test_accuracy: Tensor  # [N] accuracy on the client's own test split with that model
-    train_loss: Tensor  # [N] train loss of that model
-    cluster_params: Params | None  # [N, k, ...] for Disp_j, when the algorithm keeps k models per client
+    assigned: Tensor  # [M] the cluster each client would use now
+    test_accuracy: Tensor  # [M] accuracy on the client's own test split with that model
+    train_loss: Tensor  # [M] train loss of that model
+    cluster_params: Params | None  # [M, k, ...] for Disp_j, when the algorithm keeps k models per client
+    extra: dict[str, list[Any]] = field(default_factory=dict)  # per-client extras of a round report
+
+
+@dataclass
+class HostContext:
+    """What an algorithm instance is built from: config, model, the hosted clients and their data."""
+
+    cfg: ExperimentConfig
+    model: BatchedModel
+    data: FederatedData | None  # the hosted clients' shards, on `device` (None for a central role)
+    clients: list[int]  # the hosted rows' global client ids
+    graph: Graph  # the whole communication graph, client -> neighbours
+    device: torch.device
+    whole: bool = False  # every client is hosted and each exchange is delivered at once (the simulator)
+
+    @property
+    def schedule(self) -> RoundSchedule:
+        return RoundSchedule(self.cfg)
+
+    @property
+    def rows(self) -> Tensor:
+        return torch.tensor(self.clients, dtype=torch.long, device=self.device)
 
 
 class Algorithm(ABC):
-    """One algorithm in the simulator: state for all N clients, advanced one lockstep round at a time."""
+    """One side (clients or a central role) of one algorithm, batched over the rows a driver hosts."""
 
-    name: str = ""
+    side: ClassVar[Side] = "clients"
+    links: ClassVar[frozenset[str]] = frozenset()  # whom the clients hear: "neighbours", "server"
+    k: int = 1  # models per client; a message's part lies in 0..k-1
 
-    def __init__(self, ctx: SimContext) -> None:
+    def __init__(self, ctx: HostContext) -> None:
         self.ctx = ctx
+        self.schedule = ctx.schedule
 
     @abstractmethod
-    def run_round(self, t: int, delivered: Tensor, late: Tensor | None = None) -> None:
-        """One round. delivered [N, N] bool: receiver i gets sender m's message this round;
-        late [N, N]: sender m's message of this round reaches i only next round."""
+    def exchanges(self, t: int) -> list[Exchange]:
+        """The message exchanges of round t (the same list on every side)."""
 
     @abstractmethod
-    def evaluate(self) -> Evaluation: ...
+    def payload(self, ex: Exchange) -> dict[str, TensorSpec]:
+        """What one message of `ex` carries."""
+
+    def begin_round(self, t: int) -> None:  # noqa: B027 - an optional hook
+        """Local computation before the round's first exchange."""
+
+    def send(self, ex: Exchange) -> Outbox:
+        raise NotImplementedError(f"{type(self).__name__} sends nothing in {ex.name}")
+
+    def receive(self, ex: Exchange, inbox: Inbox) -> int:
+        """Fold delivered messages in; returns how many (row, message) pairs were used."""
+        raise NotImplementedError(f"{type(self).__name__} receives nothing in {ex.name}")
+
+    def end_exchange(self, ex: Exchange) -> None:  # noqa: B027 - an optional hook
+        """After the exchange's last delivery."""
+
+    def end_round(self, t: int) -> None:  # noqa: B027 - an optional hook
+        """After the round's last exchange."""
 
     @abstractmethod
+    def state(self) -> dict[str, Tensor]:
+        """Tensors to checkpoint after a round; the model copies as `params.<name>`."""
+
+    @abstractmethod
+    def load_state(self, tensors: Mapping[str, Tensor]) -> None: ...
+
+    def evaluate(self) -> Evaluation:
+        raise NotImplementedError(f"{type(self).__name__} has no clients to evaluate")
+
     def final_models(self) -> dict[str, Params]:
         """Named single models to save (no client dimension)."""
+        return {}
 
-    def bytes_sent_per_client(self) -> float:
-        """Average payload bytes one client sent in the last round."""
-        return 0.0
+    def set_graph(self, graph: Graph) -> None:
+        """The communication graph changed (FedSPD's dynamic network)."""
+        self.ctx.graph = graph
 
-    def payload_bytes(self) -> int:
-        return 4 * self.ctx.model.num_params()
+    # -- helpers the algorithms share ----------------------------------------------------------------
+    def model_spec(self, lead: tuple[int, ...] = (), prefix: str = "") -> dict[str, TensorSpec]:
+        return {prefix + n: TensorSpec((*lead, *s)) for n, s in self.ctx.model.shapes().items()}
+
+    def data(self) -> FederatedData:
+        assert self.ctx.data is not None, "a central role holds no client data"
+        return self.ctx.data
+
+    def losses_of(self, params: Params) -> Tensor:
+        d = self.data()
+        return loss_matrix(self.ctx.model, params, d.x_train, d.y_train)
+
+    def evaluation(self, params: Params, losses: Tensor, assigned: Tensor, keeps_k: bool = True) -> Evaluation:
+        """Each client's test accuracy and train loss with its model of `assigned`."""
+        d = self.data()
+        acc = accuracy_with(self.ctx.model, params, assigned, d.x_test, d.y_test)
+        loss = losses.gather(1, assigned.unsqueeze(1)).squeeze(1)
+        return Evaluation(assigned, acc, loss, params if keeps_k else None)
 
 
-def lr_at(cfg: ExperimentConfig, t: int) -> float:
-    return cfg.train.lr * cfg.train.lr_decay**t
+def state_of(params: Params, **extra: Tensor) -> dict[str, Tensor]:
+    """A checkpoint's tensors: the model copies as `params.<name>`, plus `extra`."""
+    return {**{f"params.{n}": v for n, v in params.items()}, **extra}
 
 
-def consensus_models(params: Params, assigned: Tensor, k: int) -> dict[str, Params]:
+def params_in(tensors: Mapping[str, Tensor], prefix: str = "params.") -> Params:
+    return {n.removeprefix(prefix): v for n, v in tensors.items() if n.startswith(prefix)}
+
+
+def cluster_means(params: Params, assigned: Tensor, k: int) -> dict[str, Params]:
     """Cluster j's saved model: the mean over clients assigned to j (all clients if none is)."""
     out: dict[str, Params] = {}
     for j in range(k):
         rows = (assigned == j).nonzero().flatten()
         if rows.numel() == 0:
-            rows = torch.arange(assigned.shape[0])
+            rows = torch.arange(assigned.shape[0], device=assigned.device)
         out[f"cluster_{j}"] = {n: t[rows, j].mean(0) for n, t in params.items()}
     return out

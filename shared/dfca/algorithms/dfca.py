@@ -1,188 +1,193 @@
-"""DFCA (Kirch et al.): assign by least loss (eq. 4), train the assigned model (eq. 5),
-send it to neighbours, merge per cluster (eq. 7 batch / eq. 8 running average).
+"""DFCA (Kirch et al.): decentralized clustered federated learning, and the robust variant we default to.
 
-`dfca.variant: robust` replaces the merge by ratio consensus over G gossip steps of all k
-clusters (core.consensus), which keeps cluster indices meaning the same thing everywhere.
-`dfca.seeding: farthest` first spends k * flood_rounds rounds agreeing on k seed models by
-farthest-first max-flooding (core.seeding); training starts after them.
+Every client i holds k cluster models theta_i1..theta_ik. A round of the paper's rule (`dfca.variant: paper`):
+
+    eq. 4   c(i) = argmin_j F(theta_ij; D_i)             the client picks the cluster that fits its data best,
+    eq. 5   theta_{i,c(i)} <- SGD on D_i                  trains only that model,
+    eq. 6   sends theta_{i,c(i)} to its neighbours        (one exchange, `models`),
+    eq. 7/8 folds each model of cluster j it receives into theta_ij: a running average as the models arrive,
+            its own copy weighing w_ii (1 in the paper; 0 for an untrained cluster under `dfca.merge: fresh`).
+
+Robust DFCA (`dfca.variant: robust`, the default; README "Cluster recovery"):
+- Seeding (`dfca.seeding: farthest`): the first k x flood_rounds rounds train nothing. In each, one exchange
+  `seed`: a client sends its candidate (score, origin, model) and keeps the best it receives; a slot's last
+  round installs the candidate as that cluster's model everywhere (core.seeding).
+- A training round with G = schedule.gossip_steps(t) > 0 replaces eq. 6-8 by G exchanges `gossip` of ratio
+  consensus over all k clusters (core.consensus): cluster j becomes the mean of the copies trained this
+  round, as IFCA's server would compute it, approximated over the graph.
+- DFCA-LI without seeding spends round 0 agreeing on initial models: averaging independently initialised
+  networks destroys them (hidden units do not line up; measured on a BA graph, the clusters then collapse
+  into one). Instead one seeded source client per cluster floods its own initialisation by the same
+  consensus; with weight 1 at the source and 0 elsewhere, num/den is exactly the source's model.
 """
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Mapping
 
 import networkx as nx
 import torch
 from torch import Tensor
 
-from dfca.algorithms.base import Algorithm, Evaluation, SimContext, consensus_models, lr_at
-from dfca.core import (
-    assign_clusters,
-    init_cluster_models,
-    loss_matrix,
-    mix_clusters,
-    mixing_matrices,
-    round_seeds,
-    self_weights,
-    train_assigned,
+from dfca.algorithms.base import (
+    Algorithm,
+    Evaluation,
+    Exchange,
+    HostContext,
+    Inbox,
+    LazyTensors,
+    Outbox,
+    cluster_means,
+    params_in,
+    state_of,
 )
-from dfca.core.assignment import accuracy_with
-from dfca.core.consensus import agrees_on_initial_models, gossip_matrix, ratio_consensus, round_weights
-from dfca.core.params import flatten_params, gather_clusters
-from dfca.core.seeding import (
-    SeedingStep,
-    first_slot_scores,
-    fit_scores,
-    flood_rounds,
-    flood_step,
-    seeding_rounds,
-    seeding_step,
-)
+from dfca.core import assign_clusters, fold_models, init_cluster_models, round_seeds, self_weights, train_assigned
+from dfca.core.consensus import StepConsensus, WalkConsensus, consensus_weights, source_weights
+from dfca.core.seeding import SeedCandidates, first_slot_scores, fit_scores
 from dfca.models import Params
-
-log = logging.getLogger(__name__)
+from dfca.wire import TensorSpec
 
 
 class DFCA(Algorithm):
-    name = "dfca"
+    links = frozenset({"neighbours"})
 
-    def __init__(self, ctx: SimContext) -> None:
+    def __init__(self, ctx: HostContext) -> None:
         super().__init__(ctx)
-        cfg, d = ctx.cfg, ctx.data
+        cfg = ctx.cfg
         self.k = cfg.clusters
-        self.clients = list(range(ctx.n))
-        self.params: Params = init_cluster_models(ctx.model, self.clients, self.k, cfg.seed, cfg.init)
-        self.losses = loss_matrix(ctx.model, self.params, d.x_train, d.y_train)
-        # last round's sent models and which of them arrive late (this round), for delayed delivery
-        self.sent: tuple[Tensor, Tensor, Tensor] | None = None
-        self.gossip_rng = torch.Generator().manual_seed(cfg.seed * 31 + 11)
-        self.round_bytes = 0.0
-        self.training_start = seeding_rounds(cfg)
-        self.seeds: Seeding | None = Seeding(ctx) if self.training_start else None
+        self.params: Params = init_cluster_models(ctx.model, ctx.clients, self.k, cfg.seed, cfg.init, ctx.device)
+        self.losses = self.losses_of(self.params)
+        self.assigned = assign_clusters(self.losses)
+        self.weight = torch.ones(len(ctx.clients), self.k, device=ctx.device)  # c_ij of the open one-hop merge
+        self.consensus: WalkConsensus | StepConsensus | None = None
+        self.seeds: SeedCandidates | None = None
 
-    def run_round(self, t: int, delivered: Tensor, late: Tensor | None = None) -> None:
-        if self.seeds is not None and (step := seeding_step(self.ctx.cfg, t)) is not None:
-            self.seeds.run_round(t, step, self.params, self.losses, delivered, late)
-            self.round_bytes = self.ctx.adjacency.sum(1).float().mean().item() * self.payload_bytes()
-            if step.last:
-                self.losses = loss_matrix(self.ctx.model, self.params, self.ctx.data.x_train, self.ctx.data.y_train)
-            if t + 1 == self.training_start:
-                self.seeds = None  # the local models are no longer needed
+    def exchanges(self, t: int) -> list[Exchange]:
+        if self.schedule.seeding(t) is not None:
+            return [Exchange("seed", stale_ok=True)]
+        if steps := self.schedule.gossip_steps(t):
+            return [Exchange("gossip", step=s) for s in range(steps)]
+        return [Exchange("models", averaged=True, stale_ok=True)]
+
+    def payload(self, ex: Exchange) -> dict[str, TensorSpec]:
+        if ex.name == "gossip":
+            return {**self.model_spec((self.k,), "num."), "den": TensorSpec((self.k,), "float32")}
+        if ex.name == "seed":
+            return {**self.model_spec(), "score": TensorSpec((), "float64"), "origin": TensorSpec((), "int64")}
+        return self.model_spec()
+
+    # -- a round -------------------------------------------------------------------------------------
+    def begin_round(self, t: int) -> None:
+        if (step := self.schedule.seeding(t)) is not None:
+            if self.seeds is None:
+                self.seeds = SeedCandidates(self.local_models(t), self.ctx.rows)
+            if step.first:
+                self.seeds.open(step.slot, first_slot_scores(self.ctx.cfg.seed, self.ctx.clients) if step.slot == 0
+                                else fit_scores(self.losses, step.slot))
             return
-        self.train_round(t, delivered, late)
-
-    def train_round(self, t: int, delivered: Tensor, late: Tensor | None = None) -> None:
-        cfg, d = self.ctx.cfg, self.ctx.data
-        assigned = assign_clusters(self.losses)  # eq. 4
+        cfg = self.ctx.cfg
+        d = self.data()
+        self.assigned = assign_clusters(self.losses)  # eq. 4
         train_assigned(  # eq. 5
-            self.ctx.model, self.params, assigned, d.x_train, d.y_train,
-            lr=lr_at(cfg, t), epochs=0 if agrees_on_initial_models(cfg, t) else cfg.train.local_epochs,
-            batch_size=cfg.train.batch_size, seeds=round_seeds(cfg.seed, self.clients, t),
+            self.ctx.model, self.params, self.assigned, d.x_train, d.y_train, lr=self.schedule.lr(t),
+            epochs=self.schedule.epochs(t), batch_size=cfg.train.batch_size,
+            seeds=round_seeds(cfg.seed, self.ctx.clients, t),
         )
-        deg = self.ctx.adjacency.sum(1).float().mean().item()
-        if steps := cfg.dfca.steps_at(t, self.training_start):
-            self.round_bytes = deg * steps * self.k * self.payload_bytes()  # k clusters a step
-            self.consensus_merge(t, assigned, delivered, steps)
-            self.sent = None
-            self.losses = loss_matrix(self.ctx.model, self.params, d.x_train, d.y_train)
-            return
-        self.round_bytes = deg * self.payload_bytes()  # the assigned model to every neighbour
-        keep_sent = cfg.network.message_delay > 0
-        sent = flatten_params(gather_clusters(self.params, assigned)) if keep_sent else None
-        # eq. 6-8: each client folds in the models its neighbours sent for their assigned cluster
-        weights = self_weights(assigned, self.k, cfg.dfca.merge_rule)
-        if self.sent is not None:  # last round's late models arrive now
-            prev_assigned, prev_sent, prev_late = self.sent
-            W = mixing_matrices(torch.cat([delivered, prev_late], 1), torch.cat([assigned, prev_assigned]), weights)
-            mix_clusters(self.params, W, extra=prev_sent)
+        if self.schedule.gossip_steps(t):
+            m = (source_weights(cfg.seed, cfg.data.clients, self.k, self.ctx.rows)
+                 if self.schedule.agrees_on_initial_models(t)
+                 else consensus_weights(self.assigned, self.k, cfg.dfca.untrained_weight))
+            self.consensus = WalkConsensus(m) if self.ctx.whole else StepConsensus(self.params, m)
         else:
-            mix_clusters(self.params, mixing_matrices(delivered, assigned, weights))
-        if sent is not None:
-            self.sent = (assigned, sent, late) if late is not None else None
-        self.losses = loss_matrix(self.ctx.model, self.params, d.x_train, d.y_train)
+            self.weight = self_weights(self.assigned, self.k, cfg.dfca.merge_rule)
 
-    def consensus_merge(self, t: int, assigned: Tensor, delivered: Tensor, steps: int) -> None:
-        """Robust merge: ratio consensus of this round's trained copies, over G gossip steps.
+    def local_models(self, t: int) -> Params:
+        """phi_i, the seeding's local model: client i's copy of cluster 0 after `seed_epochs` epochs on D_i."""
+        d = self.data()
+        phi = {n: v[:, :1].clone() for n, v in self.params.items()}
+        train_assigned(
+            self.ctx.model, phi, torch.zeros(len(self.ctx.clients), dtype=torch.long, device=self.ctx.device),
+            d.x_train, d.y_train, lr=self.schedule.lr(t), epochs=self.schedule.epochs(t),
+            batch_size=self.ctx.cfg.train.batch_size, seeds=round_seeds(self.ctx.cfg.seed, self.ctx.clients, t),
+        )
+        return {n: v[:, 0] for n, v in phi.items()}
 
-        Each step is its own exchange, so simulated message loss is drawn anew per step; a message
-        that would arrive late misses its step and counts as lost.
-        """
-        mats = [gossip_matrix(delivered)]
-        for _ in range(1, steps):
-            mats.append(gossip_matrix(self.ctx.adjacency & self.step_mask(delivered)))
-        ratio_consensus(self.params, round_weights(self.ctx.cfg, t, self.clients, assigned), mats)
+    def send(self, ex: Exchange) -> Outbox:
+        rows = torch.arange(len(self.ctx.clients), device=self.ctx.device)
+        if ex.name == "seed":
+            assert self.seeds is not None
+            seeds = self.seeds
+            slot = torch.full_like(rows, seeds.slot)
+            ready = {"score": seeds.score.clone(), "origin": seeds.origin.clone()}
+            return Outbox(rows, slot, LazyTensors([*self.params, *ready], seeds.models, ready))
+        if ex.name == "gossip":
+            assert self.consensus is not None
+            return Outbox(rows, torch.zeros_like(rows), self.consensus.outgoing())
+        order = self.assigned.argsort(stable=True)  # eq. 6, grouped by cluster
+        part = self.assigned[order]
+        return Outbox(order, part, {n: v[order, part] for n, v in self.params.items()})
 
-    def step_mask(self, delivered: Tensor) -> Tensor:
-        loss = self.ctx.cfg.network.message_loss
-        if loss == 0:
-            return torch.ones_like(delivered)
-        return torch.rand(delivered.shape, generator=self.gossip_rng) >= loss
+    def receive(self, ex: Exchange, inbox: Inbox) -> int:
+        if ex.name == "seed":
+            assert self.seeds is not None
+            seeding = self.schedule.seeding(inbox.round)
+            if seeding is None or seeding.slot != self.seeds.slot:
+                return 0  # a late candidate of a slot that has closed
+            self.seeds.offer(inbox.delivered, inbox.tensors["score"], inbox.tensors["origin"], inbox.tensors)
+            return int(inbox.delivered.sum())
+        if ex.name == "gossip":
+            assert self.consensus is not None
+            return self.consensus.receive(inbox.delivered, inbox.tensors)
+        return fold_models(self.params, self.weight, inbox.delivered, inbox.part, inbox.tensors)  # eq. 7/8
 
+    def end_exchange(self, ex: Exchange) -> None:
+        if ex.name == "gossip":
+            assert self.consensus is not None
+            self.consensus.step()
+
+    def end_round(self, t: int) -> None:
+        if (step := self.schedule.seeding(t)) is not None:
+            assert self.seeds is not None
+            if not step.last:
+                return
+            self.seeds.install(self.params, step.slot)
+            if t + 1 == self.schedule.seeding_rounds:
+                self.seeds = None  # the local models are no longer needed
+        elif self.consensus is not None:
+            self.consensus.finish(self.params)
+            self.consensus = None
+        self.losses = self.losses_of(self.params)
+
+    # -- reports and checkpoints ---------------------------------------------------------------------
     def evaluate(self) -> Evaluation:
-        d = self.ctx.data
-        assigned = assign_clusters(self.losses)
-        acc = accuracy_with(self.ctx.model, self.params, assigned, d.x_test, d.y_test)
-        loss = self.losses.gather(1, assigned.unsqueeze(1)).squeeze(1)
-        return Evaluation(assigned, acc, loss, self.params)
+        return self.evaluation(self.params, self.losses, assign_clusters(self.losses))
 
     def final_models(self) -> dict[str, Params]:
-        return consensus_models(self.params, assign_clusters(self.losses), self.k)
+        return cluster_means(self.params, assign_clusters(self.losses), self.k)
 
-    def bytes_sent_per_client(self) -> float:
-        return self.round_bytes
+    def state(self) -> dict[str, Tensor]:
+        extra: dict[str, Tensor] = {"losses": self.losses}
+        if self.seeds is not None:  # mid-seeding: the local models and the candidates
+            extra.update({f"seed.local.{n}": v for n, v in self.seeds.local.items()})
+            extra.update({f"seed.candidate.{n}": v for n, v in self.seeds.models().items()})
+            extra.update({"seed.score": self.seeds.score, "seed.origin": self.seeds.origin,
+                          "seed.slot": torch.tensor(self.seeds.slot)})
+        return state_of(self.params, **extra)
+
+    def load_state(self, tensors: Mapping[str, Tensor]) -> None:
+        self.params = {n: v.to(self.ctx.device) for n, v in params_in(tensors).items()}
+        self.losses = tensors["losses"].to(self.ctx.device)
+        self.seeds = None
+        if "seed.score" in tensors:
+            local = {n: v.to(self.ctx.device) for n, v in params_in(tensors, "seed.local.").items()}
+            self.seeds = SeedCandidates(local, self.ctx.rows)
+            self.seeds.restore(tensors["seed.score"], tensors["seed.origin"], int(tensors["seed.slot"]),
+                               params_in(tensors, "seed.candidate."))
 
 
-
-class Seeding:
-    """Farthest-first seeding by max-flooding, all N clients in lockstep (core.seeding has the protocol).
-
-    The candidate a client holds is (score, origin): the simulator carries the origin's local model
-    by index; the message-driven host carries the model itself. Late candidates of the same slot
-    count when they arrive (the max does not care about order).
-    """
-
-    def __init__(self, ctx: SimContext) -> None:
-        self.ctx = ctx
-        cfg = ctx.cfg
-        self.local: Params | None = None  # phi [N, ...]: each client's candidate model
-        self.score = torch.zeros(ctx.n, dtype=torch.float64)
-        self.origin = torch.arange(ctx.n)
-        self.previous: tuple[int, Tensor, Tensor] | None = None  # (slot, score, origin) sent last round
-        rounds = flood_rounds(cfg)
-        if ctx.n > 1 and nx.is_connected(ctx.graph) and (diameter := nx.diameter(ctx.graph)) > rounds:
-            log.warning("dfca.flood_rounds=%d is below the graph's diameter %d: the k seeds may differ between "
-                        "regions of the graph; raise dfca.flood_rounds", rounds, diameter)
-
-    def local_models(self, params: Params, t: int) -> Params:
-        """phi_i: client i's copy of cluster 0 after `seed_epochs` epochs on its own data."""
-        cfg, d = self.ctx.cfg, self.ctx.data
-        phi = {name: v[:, :1].clone() for name, v in params.items()}
-        train_assigned(
-            self.ctx.model, phi, torch.zeros(self.ctx.n, dtype=torch.long), d.x_train, d.y_train,
-            lr=lr_at(cfg, t), epochs=cfg.dfca.seed_epochs, batch_size=cfg.train.batch_size,
-            seeds=round_seeds(cfg.seed, list(range(self.ctx.n)), t),
-        )
-        return {name: v[:, 0] for name, v in phi.items()}
-
-    def run_round(
-        self, t: int, step: SeedingStep, params: Params, losses: Tensor, delivered: Tensor, late: Tensor | None
-    ) -> None:
-        if self.local is None:
-            self.local = self.local_models(params, t)
-        if step.first:
-            n = self.ctx.n
-            self.score = (first_slot_scores(self.ctx.cfg.seed, range(n)) if step.slot == 0
-                          else fit_scores(losses, step.slot))
-            self.origin = torch.arange(n)
-        scores, origins, seen = self.score, self.origin, delivered
-        if late is not None and self.previous is not None and self.previous[0] == step.slot:
-            _, prev_score, prev_origin = self.previous
-            scores, origins = torch.cat([scores, prev_score]), torch.cat([origins, prev_origin])
-            seen = torch.cat([delivered, late], 1)
-        sent = (step.slot, self.score.clone(), self.origin.clone())
-        best = flood_step(scores, origins, seen)
-        self.score, self.origin = scores[best], origins[best]
-        self.previous = sent
-        if step.last:
-            for name, v in params.items():
-                v[:, step.slot] = self.local[name][self.origin]
+def warn_if_flood_too_short(graph: nx.Graph, flood_rounds: int) -> str | None:
+    """A warning when the drawn graph is wider than a max-flood of `flood_rounds` rounds reaches."""
+    if graph.number_of_nodes() > 1 and nx.is_connected(graph) and (diameter := nx.diameter(graph)) > flood_rounds:
+        return (f"dfca.flood_rounds={flood_rounds} is below the graph's diameter {diameter}: the k seeds may differ "
+                "between regions of the graph; raise dfca.flood_rounds")
+    return None

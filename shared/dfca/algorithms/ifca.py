@@ -1,82 +1,157 @@
-"""IFCA (Ghosh et al. 2021), centralized: the server holds k models and sends all of them each round;
-every client picks the one with least loss on its data, trains it and sends it back; the server
-averages the returned models per cluster, weighted by sample count (core.server_average).
+"""IFCA (Ghosh et al. 2021), centralized: a server holds k models; every round each client picks the one
+with the least loss on its data, trains a copy and uploads it; the server averages the uploads per
+cluster, weighted by sample count, and sends all k models back.
 
-In the simulator the uplink is lossy like the gossip links: an upload is lost with probability
-`network.message_loss` and one that would arrive late (`network.message_delay`) misses the round's
-deadline; the server averages whatever arrived.
+A round is two exchanges: `upload` (every client to the server) and `download` (the server's k models
+to every client). The server is a central role written against the same interface: `IFCAServer`.
+Clients and server start from the same seeded models (DFCA-GI's). An upload lost or late misses the
+round; the server averages what arrived (and, on the runtime, closes the round `runtime.round_timeout`
+after its first upload). A client that hears no complete set of k models keeps its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
-from dfca.algorithms.base import Algorithm, Evaluation, SimContext, lr_at
-from dfca.config import ExperimentConfig
-from dfca.core import assign_clusters, loss_matrix, round_seeds
-from dfca.core.assignment import accuracy_with
-from dfca.core.server_average import ifca_server_average
-from dfca.models import BatchedModel, Params, client_permutations
+from dfca.algorithms.base import (
+    Algorithm,
+    Evaluation,
+    Exchange,
+    HostContext,
+    Inbox,
+    Outbox,
+    params_in,
+    state_of,
+)
+from dfca.core import assign_clusters, fold_models, gather_clusters, round_seeds
+from dfca.models import Params, client_permutations
+from dfca.wire import TensorSpec
+
+SERVER_GRACE = 2.0  # a client waits this many round timeouts for the server's models (the server's deadline first)
 
 
-def broadcast(models: Params, clients: int) -> Params:
-    """The server's k models as every client's copy, [clients, k, ...] (a view, no copy)."""
-    return {name: t.unsqueeze(0).expand(clients, *t.shape) for name, t in models.items()}
+def ifca_exchanges(k: int) -> list[Exchange]:
+    return [Exchange("upload", receiver="server", averaged=True, needs_arrival=True),
+            Exchange("download", sender="server", parts=k, wait=SERVER_GRACE)]
 
 
-def ifca_local_training(
-    model: BatchedModel, local: Params, x: Tensor, y: Tensor, clients: Sequence[int], cfg: ExperimentConfig, t: int
-) -> None:
-    """A client's round: train its copy of the chosen server model [M, ...] in place (shared with the
-    message-driven client host, dfca.hosts.ifca)."""
-    orders = client_permutations(round_seeds(cfg.seed, clients, t), y.shape[1], cfg.train.local_epochs)
-    if cfg.train.local_epochs > 0:
-        model.sgd(local, x, y, lr_at(cfg, t), orders, cfg.train.batch_size, cfg.train.momentum)
-
-
-def arrived_uploads(clients: int, loss: float, delay: float, generator: torch.Generator) -> Tensor:
-    """[clients] bool: the upload reached the server before the deadline."""
-    if loss == 0 and delay == 0:
-        return torch.ones(clients, dtype=torch.bool)
-    return torch.rand(clients, generator=generator) >= 1.0 - (1.0 - loss) * (1.0 - delay)
+def initial_models(ctx: HostContext) -> Params:
+    """[k, ...]: the seeded models that the server and every client start from."""
+    models = ctx.model.init(ctx.cfg.clusters, torch.Generator().manual_seed(ctx.cfg.seed))
+    return {n: v.to(ctx.device) for n, v in models.items()}
 
 
 class IFCA(Algorithm):
-    name = "ifca"
+    """IFCA's clients."""
 
-    def __init__(self, ctx: SimContext) -> None:
+    links = frozenset({"server"})
+
+    def __init__(self, ctx: HostContext) -> None:
         super().__init__(ctx)
-        cfg, d = ctx.cfg, ctx.data
-        self.k = cfg.clusters
-        self.clients = list(range(ctx.n))
-        self.server: Params = ctx.model.init(self.k, torch.Generator().manual_seed(cfg.seed))  # as DFCA-GI
-        self.samples = torch.full((ctx.n,), d.y_train.shape[1])
-        self.uplink = torch.Generator().manual_seed(cfg.seed * 31 + 5)
-        self.losses = loss_matrix(ctx.model, broadcast(self.server, ctx.n), d.x_train, d.y_train)
+        self.k = ctx.cfg.clusters
+        self.models = initial_models(ctx)  # [k, ...]: the server's models, as this host's clients hold them
+        self.model_round = 0  # how many of the server's averages the clients hold
+        self.losses = self.losses_of(self.params)
+        self.assigned = assign_clusters(self.losses)
+        self.local: Params = {}
+        self.arrived: dict[int, Params] = {}  # part -> the server's model of that cluster, this round
 
-    def run_round(self, t: int, delivered: Tensor, late: Tensor | None = None) -> None:
-        cfg, d = self.ctx.cfg, self.ctx.data
-        assigned = assign_clusters(self.losses)
-        local = {name: v[assigned].clone() for name, v in self.server.items()}
-        ifca_local_training(self.ctx.model, local, d.x_train, d.y_train, self.clients, cfg, t)
-        arrived = arrived_uploads(self.ctx.n, cfg.network.message_loss, cfg.network.message_delay, self.uplink)
-        updates = {name: v[arrived] for name, v in local.items()}
-        self.server = ifca_server_average(self.server, updates, assigned[arrived], self.samples[arrived])
-        self.losses = loss_matrix(self.ctx.model, broadcast(self.server, self.ctx.n), d.x_train, d.y_train)
+    @property
+    def params(self) -> Params:
+        """[M, k, ...]: every client's copy of the server's k models (one tensor, broadcast)."""
+        return {n: v.unsqueeze(0).expand(len(self.ctx.clients), *v.shape) for n, v in self.models.items()}
+
+    def exchanges(self, t: int) -> list[Exchange]:
+        return ifca_exchanges(self.k)
+
+    def payload(self, ex: Exchange) -> dict[str, TensorSpec]:
+        return {**self.model_spec(), "samples": TensorSpec((), "float32")} if ex.name == "upload" else self.model_spec()
+
+    def begin_round(self, t: int) -> None:
+        """Pick the model of least loss (eq. 4) and train a copy of it."""
+        cfg, d = self.ctx.cfg, self.data()
+        self.assigned = assign_clusters(self.losses)
+        self.local = gather_clusters(self.params, self.assigned)
+        if epochs := self.schedule.epochs(t):
+            orders = client_permutations(round_seeds(cfg.seed, self.ctx.clients, t), d.y_train.shape[1], epochs)
+            self.ctx.model.sgd(self.local, d.x_train, d.y_train, self.schedule.lr(t), orders, cfg.train.batch_size,
+                               cfg.train.momentum)
+        self.arrived = {}
+
+    def send(self, ex: Exchange) -> Outbox:
+        rows = torch.arange(len(self.ctx.clients), device=self.ctx.device)
+        samples = torch.full((rows.numel(),), float(self.data().y_train.shape[1]), device=self.ctx.device)
+        return Outbox(rows, self.assigned, {**self.local, "samples": samples})
+
+    def receive(self, ex: Exchange, inbox: Inbox) -> int:
+        for s in inbox.delivered.any(0).nonzero().flatten().tolist():
+            self.arrived[int(inbox.part[s])] = {n: inbox.tensors[n][s] for n in self.models}
+        return int(inbox.delivered.sum())
+
+    def end_exchange(self, ex: Exchange) -> None:
+        if ex.name == "download" and len(self.arrived) == self.k:
+            self.models = {n: torch.stack([self.arrived[j][n] for j in range(self.k)]) for n in self.models}
+            self.model_round += 1
+
+    def end_round(self, t: int) -> None:
+        self.losses = self.losses_of(self.params)
 
     def evaluate(self) -> Evaluation:
-        d = self.ctx.data
-        assigned = assign_clusters(self.losses)
-        acc = accuracy_with(self.ctx.model, broadcast(self.server, self.ctx.n), assigned, d.x_test, d.y_test)
-        loss = self.losses.gather(1, assigned.unsqueeze(1)).squeeze(1)
-        return Evaluation(assigned, acc, loss, None)
+        return self.evaluation(self.params, self.losses, assign_clusters(self.losses), keeps_k=False)
 
     def final_models(self) -> dict[str, Params]:
-        return {f"cluster_{j}": {name: t[j].clone() for name, t in self.server.items()} for j in range(self.k)}
+        return {f"cluster_{j}": {n: v[j] for n, v in self.models.items()} for j in range(self.k)}
 
-    def bytes_sent_per_client(self) -> float:
-        """Per-client traffic of a round: one model up and the k server models down."""
-        return (1 + self.k) * self.payload_bytes()
+    def state(self) -> dict[str, Tensor]:
+        return state_of(self.params, losses=self.losses, model_round=torch.tensor(self.model_round))
+
+    def load_state(self, tensors: Mapping[str, Tensor]) -> None:
+        self.models = {n: v[0].to(self.ctx.device) for n, v in params_in(tensors).items()}
+        self.losses = tensors["losses"].to(self.ctx.device)
+        self.model_round = int(tensors["model_round"])
+
+
+class IFCAServer(Algorithm):
+    """IFCA's server: cluster j becomes the sample-weighted mean of this round's uploads of j; a cluster
+    nobody uploaded keeps its model."""
+
+    side = "server"
+
+    def __init__(self, ctx: HostContext) -> None:
+        super().__init__(ctx)
+        self.k = ctx.cfg.clusters
+        self.params: Params = {n: v.unsqueeze(0) for n, v in initial_models(ctx).items()}  # [1, k, ...]
+        self.weight = torch.zeros(1, self.k, device=ctx.device)
+
+    @property
+    def models(self) -> Params:
+        return {n: v[0] for n, v in self.params.items()}
+
+    def exchanges(self, t: int) -> list[Exchange]:
+        return ifca_exchanges(self.k)
+
+    def payload(self, ex: Exchange) -> dict[str, TensorSpec]:
+        return {**self.model_spec(), "samples": TensorSpec((), "float32")} if ex.name == "upload" else self.model_spec()
+
+    def begin_round(self, t: int) -> None:
+        self.weight = torch.zeros(1, self.k, device=self.ctx.device)  # the old model does not count
+
+    def receive(self, ex: Exchange, inbox: Inbox) -> int:
+        samples = inbox.delivered.float() * inbox.tensors["samples"].float().unsqueeze(0)
+        return fold_models(self.params, self.weight, samples, inbox.part, inbox.tensors)
+
+    def send(self, ex: Exchange) -> Outbox:
+        parts = torch.arange(self.k, device=self.ctx.device)
+        return Outbox(torch.zeros_like(parts), parts, self.models)
+
+    def final_models(self) -> dict[str, Params]:
+        return {f"cluster_{j}": {n: v[j] for n, v in self.models.items()} for j in range(self.k)}
+
+    def state(self) -> dict[str, Tensor]:
+        return state_of(self.params)
+
+    def load_state(self, tensors: Mapping[str, Tensor]) -> None:
+        self.params = {n: v.to(self.ctx.device) for n, v in params_in(tensors).items()}

@@ -1,12 +1,18 @@
-"""Decentralized aggregation, DFCA eq. 6-8.
+"""Decentralized aggregation, DFCA eq. 6-8, as one weighted running average.
 
 Batch (eq. 7):      theta_ij <- (w_ii theta_ij + sum_{m in N_ij} theta_mj) / (w_ii + |N_ij|)
 Sequential (eq. 8): theta_ij <- theta_ij + (theta_mj - theta_ij) / (w_ii + r), the r-th arrival (r = 1, 2, ...)
 
-w_ii = 1 is the paper's rule (the own copy always counts). The `fresh` merge rule sets
-w_ii = 0 for clusters the client did not train this round, so an untrained cluster takes
-only what arrived; with nothing arrived it stays as it is. Over any arrival order the
-running average equals the batch average (tests prove it).
+`fold_models` is both. Each copy theta_ij carries a weight c_ij: w_ii when the round's merge opens,
+plus every arrival folded since. A batch of arrivals a_is x_s of cluster j makes
+theta_ij <- (c_ij theta_ij + sum_s a_is x_s) / (c_ij + sum_s a_is). One message at a time (a_is = 1)
+that is eq. 8; all of a round's messages at once it is eq. 7; any arrival order gives the same result
+(tests prove it). Weighted arrivals give DFedAvgM's Metropolis-Hastings mixing, and c = 0 gives
+IFCA's sample-weighted server average (the old model does not count).
+
+w_ii = 1 is the paper's rule (the own copy always counts). The `fresh` merge rule sets w_ii = 0 for
+clusters the client did not train this round, so an untrained cluster takes only what arrived; with
+nothing arrived it stays as it is.
 """
 
 from __future__ import annotations
@@ -21,67 +27,47 @@ from dfca.models import Params
 def self_weights(assigned: Tensor, k: int, merge: str) -> Tensor:
     """[M, k] weight of a client's own copy of each cluster in its merge."""
     if merge == "paper":
-        return torch.ones(assigned.shape[0], k)
+        return torch.ones(assigned.shape[0], k, device=assigned.device)
     if merge == "fresh":
         return torch.nn.functional.one_hot(assigned, k).float()
     raise ValueError(f"dfca.merge: unknown merge rule {merge!r} (paper or fresh)")
 
 
-@torch.no_grad()
-def running_average(current: Params, incoming: Params, arrivals: int, self_weight: float = 1.0) -> None:
-    """Eq. 8 in place: fold the `arrivals`-th model (1-based) into the running average."""
-    weight = 1.0 / (self_weight + arrivals)
-    for name, t in current.items():
-        t.add_(incoming[name].to(t.dtype) - t, alpha=weight)
-
-
-def mixing_matrices(delivered: Tensor, sent_cluster: Tensor, self_w: Tensor) -> Tensor:
-    """Per-cluster row-stochastic mixing matrices W[j] (eq. 7 as matrices, eq. 10).
-
-    delivered [N, S] bool: receiver i got source m's model this round (the graph minus lost messages).
-    sent_cluster [S]: the cluster each source model belongs to. self_w [N, k]: own-copy weights.
-    Rows are receivers; the self entry sits at column i. Sources beyond N are extra models
-    (for example last round's models that arrived late).
-    """
-    N = delivered.shape[0]
-    k = self_w.shape[1]
-    sent = torch.nn.functional.one_hot(sent_cluster, k).T.float()  # [k, N]
-    W = delivered.float().unsqueeze(0) * sent.unsqueeze(1)  # [k, M, N]
-    idx = torch.arange(N)
-    W[:, idx, idx] = self_w.T
-    empty = W.sum(2) == 0  # nothing arrived and own copy has weight 0: keep own copy
-    W[:, idx, idx] += empty.float()
-    return W / W.sum(2, keepdim=True)
+def _columns(mask: Tensor) -> slice | Tensor:
+    """The indices where `mask` holds: a slice when they are contiguous (a view, no copy), else an index."""
+    cols = mask.nonzero().squeeze(1)
+    first, last = int(cols[0]), int(cols[-1])
+    return slice(first, last + 1) if last - first + 1 == cols.numel() else cols
 
 
 @torch.no_grad()
-def mix_clusters(params: Params, W: Tensor, extra: Tensor | None = None) -> None:
-    """theta_{.,j} <- W[j] @ [theta_{.,j}; extra] for every cluster j, in place (eq. 7 as a matrix product).
+def fold_models(params: Params, weight: Tensor, arrivals: Tensor, cluster: Tensor, sources: Params) -> int:
+    """Fold arriving models into the running averages, in place (eq. 8, weighted; eq. 7 for a batch).
 
-    extra [S - N, D]: flattened extra source models, the columns of W beyond N.
-    Only the source columns with weight off the diagonal (the clients that trained j) enter the
-    product, in place on views of the parameters: about k times fewer multiply-adds than the dense
-    [N, S] product, and no flattened copy of the models. A row that is e_i keeps its model exactly
-    (times 1, plus 0).
+    params [M, k, ...]: the copies; weight [M, k]: the weight c_ij each copy carries so far, updated in
+    place; arrivals [M, S] >= 0: the weight of message s at row i (0: not delivered to i); cluster [S]:
+    the cluster each message belongs to; sources: name -> [S, ...], the messages' models (sorted by
+    cluster, a cluster's sources are read as a view). Only rows that received something change, in place
+    on views of the parameters. Returns how many (row, message) pairs were folded in.
     """
-    n = next(iter(params.values())).shape[0]
-    idx = torch.arange(n)
-    for j in range(W.shape[0]):
-        off = W[j].clone()
-        own = off[idx, idx].clone()
-        off[idx, idx] = 0.0
-        if not (off.any() or (own != 1.0).any()):
-            continue  # nothing arrived for cluster j anywhere
-        cols = off.any(0).nonzero().squeeze(1)
-        inner, outer = cols[cols < n], cols[cols >= n] - n
-        weights, keep = off[:, cols], own.unsqueeze(1)
-        offset = 0
-        for view in cluster_views(params, j):
-            size = view.shape[1]
-            src = view.index_select(0, inner)
-            if outer.numel():
-                if extra is None:
-                    raise ValueError("W has columns beyond N but no extra models were given")
-                src = torch.cat([src, extra[outer, offset : offset + size].to(view.dtype)])
-            view.mul_(keep).addmm_(weights, src)
-            offset += size
+    M = arrivals.shape[0]
+    arrivals = arrivals.to(weight.dtype)
+    for j in cluster.unique().tolist():
+        cols = _columns(cluster == j)
+        a = arrivals[:, cols]
+        got = a.sum(1)
+        rows = (got > 0).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        total = weight[rows, j] + got[rows]
+        own, coef = (weight[rows, j] / total).unsqueeze(1), a[rows] / total.unsqueeze(1)
+        for name, view in zip(params, cluster_views(params, j), strict=True):
+            src = sources[name][cols].reshape(coef.shape[1], -1).to(view.dtype)
+            if src.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
+                src = src.clone()  # the sources are views of the copies updated in place below
+            if rows.numel() == M:
+                view.mul_(own).addmm_(coef, src)
+            else:
+                view.index_copy_(0, rows, torch.addmm(view.index_select(0, rows) * own, coef, src))
+        weight[:, j] += got
+    return int((arrivals > 0).sum())

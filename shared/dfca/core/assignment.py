@@ -15,7 +15,7 @@ EVAL_BLOCK = 64  # clients evaluated together
 def loss_matrix(model: BatchedModel, params: Params, x: Tensor, y: Tensor) -> Tensor:
     """Mean cross-entropy of every cluster model on every client's data (eq. 1): [M, k]."""
     M, k = next(iter(params.values())).shape[:2]
-    out = torch.empty(M, k)
+    out = torch.empty(M, k, device=x.device)
     for lo in range(0, M, EVAL_BLOCK):
         hi = min(lo + EVAL_BLOCK, M)
         flat = {n: t[lo:hi].reshape(-1, *t.shape[2:]) for n, t in params.items()}  # [(b k), ...]
@@ -36,8 +36,8 @@ def assign_clusters(losses: Tensor) -> Tensor:
 def accuracy_with(model: BatchedModel, params: Params, clusters: Tensor, x: Tensor, y: Tensor) -> Tensor:
     """Each client's accuracy on (x, y) using its model of `clusters[m]`: [M]."""
     M = clusters.shape[0]
-    acc = torch.empty(M)
-    rows = torch.arange(M)
+    acc = torch.empty(M, device=x.device)
+    rows = torch.arange(M, device=x.device)
     for lo in range(0, M, EVAL_BLOCK):
         sl = slice(lo, min(lo + EVAL_BLOCK, M))
         chosen = {n: t[rows[sl], clusters[sl]] for n, t in params.items()}

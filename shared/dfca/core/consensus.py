@@ -1,28 +1,26 @@
 """Ratio consensus of trained cluster models: IFCA's per-cluster average, reached by gossip.
 
-For cluster j, with m_ij = 1 when client i trained j this round:
+For cluster j, with m_ij the weight of client i's copy (1 when it trained j this round):
 
-    num_j <- P^G (m_j * theta_j),   den_j <- P^G m_j,   theta_ij <- num_ij / den_ij   (where den_ij > 0)
+    num_j <- P^G (m_j * theta_j),   den_j <- P^G m_j,   theta_ij <- num_ij / den_ij   (where den_ij > MIN_WEIGHT)
 
-P = (A + I) row-normalised is one gossip step over the closed neighbourhood (each client
-averages its own and its neighbours' (num, den) pairs). As G grows, num/den tends to the
-network-wide mean of the trained copies: exactly what IFCA's server computes. A client that
+P = (A + I) row-normalised is one gossip step over the closed neighbourhood: each client averages its
+own and its neighbours' (num, den) pairs, (own + sum of arrived) / (1 + arrivals). As G grows, num/den
+tends to the network-wide mean of the trained copies: exactly what IFCA's server computes. A client that
 no trained copy of j has reached (den = 0) keeps its own theta_ij.
 
-This is the robust DFCA warm-up: measured here, the paper's one-hop merge lets each region of a
-sparse graph give the cluster indices its own meaning in the first rounds; a few rounds of
-ratio consensus make every client see nearly the same k models, so the assignment (eq. 4)
-splits clients by their data everywhere in the same way.
+Two forms of the same state, one per kind of driver:
+- `WalkConsensus` (a driver that hosts every client and delivers each step as one [N, N] mask, the
+  simulator) multiplies the G step matrices into one walk and touches the parameters once;
+- `StepConsensus` (the message driver) keeps num and den of its clients, sums what arrives and mixes
+  at the end of each step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
-from dfca.config import ExperimentConfig
 from dfca.core.params import cluster_views
 from dfca.models import Params
 
@@ -31,13 +29,8 @@ MIN_WEIGHT = 1e-3  # den below this: no trained copy has reached the client (kee
 
 def gossip_matrix(delivered: Tensor) -> Tensor:
     """One gossip step: P = (A + I) row-normalised, A[i, m] = i hears from m."""
-    a = delivered.float() + torch.eye(delivered.shape[0])
+    a = delivered.float() + torch.eye(delivered.shape[0], device=delivered.device)
     return a / a.sum(1, keepdim=True)
-
-
-def gossip_step(values: Tensor, neighbours_sum: Tensor, degree: Tensor) -> Tensor:
-    """The message-driven form of one step: (own + sum of neighbours') / (degree + 1)."""
-    return (values + neighbours_sum) / (degree + 1).reshape(-1, *[1] * (values.dim() - 1))
 
 
 def consensus_weights(assigned: Tensor, k: int, untrained_weight: float) -> Tensor:
@@ -51,42 +44,20 @@ def consensus_weights(assigned: Tensor, k: int, untrained_weight: float) -> Tens
     return one_hot + untrained_weight * (1.0 - one_hot)
 
 
-def agrees_on_initial_models(cfg: ExperimentConfig, t: int) -> bool:
-    """Robust DFCA-LI spends round 0 agreeing on initial models instead of training.
-
-    Averaging independently initialised networks destroys them (hidden units do not line up);
-    measured on a BA graph, the averaged clusters then all lose to one and the clients collapse
-    into a single cluster. Instead, for each cluster j one source client (a seeded draw) floods
-    its own local initialisation by the same ratio consensus: with weight 1 at the source and 0
-    elsewhere, num/den is exactly the source's model wherever it arrives.
-    """
-    return t == 0 and cfg.init == "local" and cfg.dfca.steps_at(0) > 0
-
-
-def agreement_weights(cfg: ExperimentConfig, clients: Sequence[int]) -> Tensor:
-    """m [M, k]: 1 where client i is cluster j's source of the initial model, else 0."""
-    g = torch.Generator().manual_seed(cfg.seed * 31 + 13)
-    sources = torch.randperm(cfg.data.clients, generator=g)[: cfg.clusters]
-    return (torch.tensor(list(clients)).unsqueeze(1) == sources.unsqueeze(0)).float()
-
-
-def round_weights(cfg: ExperimentConfig, t: int, clients: Sequence[int], assigned: Tensor) -> Tensor:
-    """The consensus weights m of robust round t (the same in the simulator and the hosts)."""
-    if agrees_on_initial_models(cfg, t):
-        return agreement_weights(cfg, clients)
-    return consensus_weights(assigned, cfg.clusters, cfg.dfca.untrained_weight)
+def source_weights(seed: int, num_clients: int, k: int, clients: Tensor) -> Tensor:
+    """m [M, k]: 1 where client i is cluster j's seeded source of the initial model, else 0 (with these
+    weights num/den is exactly the source's model wherever it arrives)."""
+    g = torch.Generator().manual_seed(seed * 31 + 13)
+    sources = torch.randperm(num_clients, generator=g)[:k].to(clients.device)
+    return (clients.unsqueeze(1) == sources.unsqueeze(0)).float()
 
 
 @torch.no_grad()
-def ratio_consensus(params: Params, trained: Tensor, steps: Tensor | list[Tensor]) -> None:
-    """In place, for every cluster j: theta_j <- P^G (m_j theta_j) / P^G m_j where P^G m_j > MIN_WEIGHT.
+def ratio_consensus(params: Params, trained: Tensor, walk: Tensor) -> None:
+    """In place, for every cluster j: theta_j <- W (m_j theta_j) / W m_j where W m_j > MIN_WEIGHT.
 
-    trained [N, k]: the weights m (consensus_weights); steps: the gossip matrices of the G steps.
+    trained [N, k]: the weights m; walk [N, N]: the product P_G ... P_1 of the G gossip steps.
     """
-    mats = [steps] if isinstance(steps, Tensor) else steps
-    walk = mats[0]
-    for P in mats[1:]:  # P_G ... P_1: one [N, N] product, then one pass over the parameters per cluster
-        walk = P @ walk
     for j in range(trained.shape[1]):
         m = trained[:, j].float()
         src = m.nonzero().squeeze(1)  # only copies with weight enter num: about N/k columns, not N
@@ -102,8 +73,72 @@ def ratio_consensus(params: Params, trained: Tensor, steps: Tensor | list[Tensor
             view.mul_(keep).addmm_(coeff, trained_copies)
 
 
+def _trailing(t: Tensor, like: Tensor) -> Tensor:
+    """t [M, ...] viewed with trailing singleton dimensions, to broadcast against `like`."""
+    return t.reshape(*t.shape, *[1] * (like.dim() - t.dim()))
+
+
 def ratio_estimate(num: Tensor, den: Tensor, own: Tensor) -> Tensor:
     """num / den where den > MIN_WEIGHT, else `own`; den's shape is a prefix of num's (e.g. [M, k] and [M, k, ...])."""
-    shape = (*den.shape, *[1] * (num.dim() - den.dim()))
-    reached = (den > MIN_WEIGHT).reshape(shape)
-    return torch.where(reached, num / den.clamp_min(MIN_WEIGHT).reshape(shape), own)
+    reached = _trailing(den > MIN_WEIGHT, num)
+    return torch.where(reached, num / _trailing(den.clamp_min(MIN_WEIGHT), num), own)
+
+
+class WalkConsensus:
+    """The whole graph's consensus round: each step's mask becomes a matrix of the walk."""
+
+    def __init__(self, trained: Tensor) -> None:
+        self.trained = trained
+        self.walk = torch.eye(trained.shape[0], device=trained.device)
+
+    def outgoing(self) -> dict[str, Tensor]:
+        return {}  # every client is hosted here: nothing is sent but the mask
+
+    def receive(self, delivered: Tensor, tensors: object) -> int:
+        self.walk = gossip_matrix(delivered) @ self.walk
+        return int(delivered.sum())
+
+    def step(self) -> None:
+        """Each step's matrix entered the walk when it was received."""
+
+    def finish(self, params: Params) -> None:
+        ratio_consensus(params, self.trained, self.walk)
+
+
+class StepConsensus:
+    """The hosted clients' num = m theta and den = m, mixed step by step from the messages that arrive."""
+
+    def __init__(self, params: Params, trained: Tensor) -> None:
+        self.num = {n: v * _trailing(trained, v) for n, v in params.items()}  # [M, k, ...]
+        self.den = trained.clone()  # [M, k]
+        self._clear()
+
+    def _clear(self) -> None:
+        self.num_sum = {n: torch.zeros_like(v) for n, v in self.num.items()}
+        self.den_sum = torch.zeros_like(self.den)
+        self.degree = torch.zeros(self.den.shape[0], device=self.den.device)
+
+    def outgoing(self) -> dict[str, Tensor]:
+        return {**{f"num.{n}": v for n, v in self.num.items()}, "den": self.den}
+
+    def receive(self, delivered: Tensor, tensors: dict[str, Tensor]) -> int:
+        """delivered [M, S]: row i got message s, whose (num, den) are tensors['num.<p>'] and tensors['den']."""
+        rows = delivered.any(1).nonzero().squeeze(1)  # only they change: one message touches one row
+        a = delivered[rows].float()
+        for n, v in self.num_sum.items():
+            src = tensors[f"num.{n}"].reshape(a.shape[1], -1).to(v.dtype)
+            v.index_add_(0, rows, (a @ src).reshape(-1, *v.shape[1:]))
+        self.den_sum.index_add_(0, rows, a @ tensors["den"].to(self.den.dtype))
+        self.degree.index_add_(0, rows, a.sum(1))
+        return int(delivered.sum())
+
+    def step(self) -> None:
+        """(own + sum of arrived) / (1 + arrivals): one gossip step of P."""
+        scale = self.degree + 1
+        self.num = {n: (v + self.num_sum[n]) / _trailing(scale, v) for n, v in self.num.items()}
+        self.den = (self.den + self.den_sum) / _trailing(scale, self.den)
+        self._clear()
+
+    def finish(self, params: Params) -> None:
+        for n, v in params.items():
+            v.copy_(ratio_estimate(self.num[n], self.den, v))

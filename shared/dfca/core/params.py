@@ -11,33 +11,31 @@ from dfca.models import BatchedModel, Params
 
 
 def init_cluster_models(
-    model: BatchedModel, clients: Sequence[int], k: int, seed: int, init: str
+    model: BatchedModel, clients: Sequence[int], k: int, seed: int, init: str, device: torch.device | str = "cpu"
 ) -> Params:
-    """DFCA-GI: every client holds the same k models (one seed). DFCA-LI: each client its own."""
+    """DFCA-GI: every client holds the same k models (one seed). DFCA-LI: each client its own.
+
+    Drawn on the CPU (the same models on every device), then placed on `device`."""
     if init == "global":
         base = model.init(k, torch.Generator().manual_seed(seed))
-        return {name: t.unsqueeze(0).repeat(len(clients), *[1] * t.dim()) for name, t in base.items()}
+        return {name: t.to(device).unsqueeze(0).repeat(len(clients), *[1] * t.dim()) for name, t in base.items()}
     if init == "local":
         per_client = [model.init(k, torch.Generator().manual_seed(seed * 1_000_003 + 7 + c)) for c in clients]
-        return {name: torch.stack([p[name] for p in per_client]) for name in per_client[0]}
+        return {name: torch.stack([p[name] for p in per_client]).to(device) for name in per_client[0]}
     raise ValueError(f"init: unknown initialisation {init!r} (global or local)")
 
 
 def gather_clusters(params: Params, clusters: Tensor) -> Params:
     """params [M, k, ...], clusters [M] -> each client's model of its cluster, [M, ...] (a copy)."""
-    rows = torch.arange(clusters.shape[0])
+    rows = torch.arange(clusters.shape[0], device=clusters.device)
     return {name: t[rows, clusters].clone() for name, t in params.items()}
 
 
 def scatter_clusters(params: Params, clusters: Tensor, values: Params) -> None:
     """Write values [M, ...] back into params[m, clusters[m]] in place."""
-    rows = torch.arange(clusters.shape[0])
+    rows = torch.arange(clusters.shape[0], device=clusters.device)
     for name, t in params.items():
         t[rows, clusters] = values[name]
-
-
-def select_clients(params: Params, rows: Tensor | slice) -> Params:
-    return {name: t[rows] for name, t in params.items()}
 
 
 def flatten_params(params: Params) -> Tensor:

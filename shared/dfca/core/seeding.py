@@ -5,7 +5,7 @@ the lowest loss overall, not by the data: most clients pick the same model, some
 picked (they stay random and are never chosen again), and two distributions share a cluster. IFCA
 recovers from part of this through its global average; on a sparse graph a client's copy of its
 cluster is mostly its own training, so assignments lock in within a few rounds, and regions of the
-graph settle on different meanings of the same index (issue 6, docs/cluster_recovery.md).
+graph settle on different meanings of the same index (docs/cluster_recovery.md).
 
 What. A decentralized k-means++ (deterministic farthest-first, the loss as the distance) that
 gives every client the same k models, each the local model of a client of a different
@@ -20,79 +20,18 @@ distribution, before any cluster model is trained:
    as the graph's diameter every client holds the same candidate: the global farthest client.
 3. seed_s := that candidate's model, at every client: theta_{i,s} <- seed_s.
 
-The k slots take k * flood_rounds rounds, one model message per neighbour per round, no training.
-Lost or late messages only slow the flood; the max does not depend on arrival order.
+The k slots take k * flood_rounds rounds (dfca.schedule), one message per neighbour per round, no
+training. Lost or late messages only slow the flood; the max does not depend on arrival order.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from dfca.config import ExperimentConfig, TopologyConfig
-
-SCORE_HEADER = "dfca-seed-score"  # the candidate's score, repr(float)
-ORIGIN_HEADER = "dfca-seed-origin"  # the client whose local model the candidate is
-
-
-def diameter_bound(topology: TopologyConfig, n: int) -> int:
-    """Rounds a max-flood needs: an upper estimate of the graph's diameter from its kind and size.
-
-    Measured against 10 graphs each of ER N=30..240 p=0.1..0.3 and BA m=2 N=30..240: never below the
-    real diameter. The simulator warns when a drawn graph is wider than `flood_rounds`.
-    """
-    if n <= 2:
-        return 1
-    log_n = math.log(n)
-    if topology.kind == "complete":
-        return 1
-    if topology.kind == "ring":
-        return n // 2
-    if topology.kind == "erdos_renyi":
-        return math.ceil(2 * log_n / math.log(max(n * topology.p, 2.0))) + 1
-    if topology.kind == "barabasi_albert":
-        return math.ceil(2 * log_n / math.log(max(2 * topology.m, 2))) + 1
-    return math.ceil(1.5 / topology.radius) + 2  # random geometric: about sqrt(2) / radius hops
-
-
-def flood_rounds(cfg: ExperimentConfig) -> int:
-    if cfg.dfca.flood_rounds is not None:
-        return cfg.dfca.flood_rounds
-    return min(diameter_bound(cfg.topology, cfg.data.clients), cfg.data.clients - 1)
-
-
-def seeding_rounds(cfg: ExperimentConfig) -> int:
-    """How many of the first rounds the seeding takes (0 without seeding)."""
-    return cfg.clusters * flood_rounds(cfg) if cfg.dfca.seeding_rule == "farthest" else 0
-
-
-@dataclass(frozen=True)
-class SeedingStep:
-    """Where round t sits in the seeding: which slot is flooding and which of its rounds this is."""
-
-    slot: int
-    step: int
-    rounds_per_slot: int
-
-    @property
-    def first(self) -> bool:
-        return self.step == 0
-
-    @property
-    def last(self) -> bool:
-        return self.step == self.rounds_per_slot - 1
-
-
-def seeding_step(cfg: ExperimentConfig, t: int) -> SeedingStep | None:
-    """The seeding step of round t, or None once the seeding is over (or without seeding)."""
-    if t >= seeding_rounds(cfg):
-        return None
-    d = flood_rounds(cfg)
-    return SeedingStep(t // d, t % d, d)
+from dfca.models import Params
 
 
 def first_slot_scores(seed: int, clients: Sequence[int]) -> Tensor:
@@ -114,16 +53,75 @@ def beats(score: Tensor, origin: Tensor, best_score: Tensor, best_origin: Tensor
     return (score > best_score) | ((score == best_score) & (origin < best_origin))
 
 
-def flood_step(score: Tensor, origin: Tensor, delivered: Tensor) -> Tensor:
-    """One round of the max-flood for all N clients: [N] index of the client whose candidate each keeps.
+def best_arrivals(score: Tensor, origin: Tensor, delivered: Tensor) -> Tensor:
+    """[M] the arrived candidate each receiver likes best (an index into S), or -1 when none arrived.
 
-    score [N], origin [N]: every client's candidate at the start of the round; delivered [N, N] bool:
-    receiver i got sender m's candidate. A client always considers its own candidate.
+    score [S], origin [S]: the arrived candidates; delivered [M, S] bool: receiver i got candidate s.
     """
-    n = score.shape[0]
-    seen = delivered | torch.eye(n, dtype=torch.bool)
-    masked = torch.where(seen, score.unsqueeze(0).expand(n, n), torch.tensor(-math.inf, dtype=score.dtype))
+    m, s = delivered.shape
+    masked = torch.where(delivered, score.unsqueeze(0).expand(m, s), torch.tensor(-torch.inf, dtype=score.dtype,
+                                                                                   device=score.device))
     top = masked.max(dim=1, keepdim=True).values
-    tied = seen & (masked == top)
-    origins = torch.where(tied, origin.unsqueeze(0).expand(n, n), torch.iinfo(torch.long).max)
-    return origins.min(dim=1).indices
+    tied = delivered & (masked == top)
+    lowest = torch.where(tied, origin.unsqueeze(0).expand(m, s), torch.iinfo(torch.long).max)
+    best = lowest.min(dim=1).indices
+    return torch.where(delivered.any(1), best, -1)
+
+
+class SeedCandidates:
+    """The candidate (score, origin) each hosted client holds, and where its model is: a hosted client's
+    local model, or a model that arrived with a candidate. A driver hosting every client never needs
+    the second: it carries origins alone, and models are read only when a slot closes."""
+
+    def __init__(self, local: Params, clients: Tensor) -> None:
+        self.local = local  # phi [M, ...]
+        self.clients = clients
+        self.row = {int(c): r for r, c in enumerate(clients.tolist())}
+        self.score = torch.zeros(clients.shape[0], dtype=torch.float64, device=clients.device)
+        self.origin = clients.clone()
+        self.slot = 0
+        self.arrived: dict[int, Params] = {}  # origin -> model, for origins not hosted here
+
+    def open(self, slot: int, scores: Tensor) -> None:
+        """A slot's first round: every client's candidate is itself."""
+        self.slot, self.score, self.origin, self.arrived = slot, scores.to(self.score.device), self.clients.clone(), {}
+
+    def restore(self, score: Tensor, origin: Tensor, slot: int, candidates: Params) -> None:
+        """From a checkpoint: the candidates and, for origins not hosted here, their models [M, ...]."""
+        self.slot, self.score, self.origin = slot, score.to(self.score.device), origin.to(self.origin.device)
+        self.arrived = {int(o): {n: v[r].to(self.origin.device) for n, v in candidates.items()}
+                        for r, o in enumerate(self.origin.tolist()) if int(o) not in self.row}
+
+    def model(self, origin: int) -> Params:
+        r = self.row.get(origin)
+        return {n: v[r] for n, v in self.local.items()} if r is not None else self.arrived[origin]
+
+    def models(self) -> Params:
+        """[M, ...]: the model of every hosted client's candidate."""
+        if all(o in self.row for o in self.origin.tolist()):
+            rows = torch.tensor([self.row[o] for o in self.origin.tolist()], device=self.origin.device)
+            return {n: v.index_select(0, rows) for n, v in self.local.items()}
+        chosen = [self.model(o) for o in self.origin.tolist()]
+        return {n: torch.stack([c[n] for c in chosen]) for n in self.local}
+
+    def offer(self, delivered: Tensor, score: Tensor, origin: Tensor, models: Mapping[str, Tensor]) -> None:
+        """Arrived candidates: each client keeps the best of its own and the ones delivered to it."""
+        best = best_arrivals(score, origin, delivered)
+        rows = (best >= 0).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return
+        pick = best[rows]
+        better = beats(score[pick], origin[pick], self.score[rows], self.origin[rows])
+        rows, pick = rows[better], pick[better]
+        self.score[rows], self.origin[rows] = score[pick], origin[pick]
+        for s in pick.tolist():
+            o = int(origin[s])
+            if o not in self.row and o not in self.arrived:
+                self.arrived[o] = {n: models[n][s].clone() for n in self.local}
+        held = set(self.origin.tolist())
+        self.arrived = {o: m for o, m in self.arrived.items() if o in held}
+
+    def install(self, params: Params, slot: int) -> None:
+        """After a slot's last round: each client's candidate becomes its model of cluster `slot`."""
+        for n, v in self.models().items():
+            params[n][:, slot] = v

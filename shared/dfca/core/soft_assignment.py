@@ -22,7 +22,7 @@ def sample_losses(model: BatchedModel, params: Params, x: Tensor, y: Tensor) -> 
     """Cross-entropy of every cluster model on every sample of every client: params [M, k, ...] -> [M, k, n]."""
     M, k = next(iter(params.values())).shape[:2]
     n = y.shape[1]
-    out = torch.empty(M, k, n)
+    out = torch.empty(M, k, n, device=x.device)
     for lo in range(0, M, EVAL_BLOCK):
         hi = min(lo + EVAL_BLOCK, M)
         flat = {name: t[lo:hi].reshape(-1, *t.shape[2:]) for name, t in params.items()}  # [(b k), ...]
@@ -47,10 +47,11 @@ def draw_clusters(shares: Tensor, seeds: Sequence[int]) -> Tensor:
 
     Client m draws with its own generator seeded `seeds[m]`, so a draw does not depend on which
     other clients are drawn with it (the simulator and the message-driven hosts draw the same)."""
-    return torch.stack([
-        torch.multinomial(row, 1, generator=torch.Generator().manual_seed(int(seed)))[0]
-        for row, seed in zip(shares, seeds, strict=True)
-    ]) if shares.shape[0] else torch.zeros(0, dtype=torch.long)
+    if not shares.shape[0]:
+        return torch.zeros(0, dtype=torch.long, device=shares.device)
+    draws = [torch.multinomial(row, 1, generator=torch.Generator().manual_seed(int(seed)))[0]
+             for row, seed in zip(shares.cpu(), seeds, strict=True)]  # CPU generators: the same draws anywhere
+    return torch.stack(draws).to(shares.device)
 
 
 @torch.no_grad()
@@ -67,7 +68,7 @@ def mixture_error(estimated: Tensor, truth: Tensor) -> float:
     """Mean absolute error between estimated and true mixtures [M, k] under the best relabelling of clusters
     (cluster indices are arbitrary: label switching)."""
     cost = (estimated.unsqueeze(2) - truth.unsqueeze(1)).abs().mean(0)  # [k est, k true]
-    rows, cols = linear_sum_assignment(cost.numpy())
+    rows, cols = linear_sum_assignment(cost.cpu().numpy())
     return float(cost[rows, cols].mean())
 
 

@@ -39,7 +39,7 @@ FileNotFoundError naming the files expected in the folder `data.root`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,21 +106,29 @@ class FederatedData:
 
     def subset(self, clients: Sequence[int]) -> FederatedData:
         """The same data restricted to `clients` (in the given order)."""
-        index = torch.as_tensor(list(clients), dtype=torch.long)
+        index = torch.as_tensor(list(clients), dtype=torch.long, device=self.x_train.device)
+        return self._map(lambda t: t[index])
 
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[index]
+    def to(self, device: torch.device | str) -> FederatedData:
+        """The same data on `device` (itself when it is there already)."""
+        if self.x_train.device == torch.device(device):
+            return self
+        return self._map(lambda t: t.to(device))
+
+    def _map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> FederatedData:
+        def each(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else f(t)
 
         return FederatedData(
-            x_train=self.x_train[index],
-            y_train=self.y_train[index],
-            x_test=self.x_test[index],
-            y_test=self.y_test[index],
-            true_cluster=self.true_cluster[index],
+            x_train=f(self.x_train),
+            y_train=f(self.y_train),
+            x_test=f(self.x_test),
+            y_test=f(self.y_test),
+            true_cluster=f(self.true_cluster),
             num_classes=self.num_classes,
-            mixture=pick(self.mixture),
-            train_distribution=pick(self.train_distribution),
-            test_distribution=pick(self.test_distribution),
+            mixture=each(self.mixture),
+            train_distribution=each(self.train_distribution),
+            test_distribution=each(self.test_distribution),
             rotations=self.rotations,
         )
 

@@ -1,62 +1,46 @@
-"""The aggregator's extension point: one `CentralRole` class per central algorithm.
+"""The aggregator's central roles: an algorithm's server side (dfca.algorithms.SERVERS), run by the message driver.
 
-The aggregator service receives the same start/stop commands as the workers. For each started
-experiment it runs the role registered for the config's algorithm (if any) on a thread of its
-own, with its own connection. A central baseline (IFCA's server) subclasses `CentralRole`,
-decorates itself with `@central_role("ifca")`, consumes `topics.server_queue(experiment)` and
-publishes with `topics.server_key(experiment, cluster)`.
-
-`InitialModelPublisher` (DFCA-GI) publishes the k initial cluster models once, sender
-`topics.SERVER_SENDER`, round -1. DFCA workers do not need them (every worker derives the same
-initial models from the seed), so for DFCA it is an audit trail of what every client starts from.
-
-`IFCAServerRole` is IFCA's server (`dfca.hosts.ifca_server.IFCAServer`): it serves every round and
-ends after the last, on a stop command, or, while no upload comes, once the topology service says
-the experiment is over (when the aggregator knows the topology service's URL).
+The aggregator service receives the same start/stop commands as the workers. For each started experiment
+whose algorithm has a central role (IFCA's server) it runs `ServerRole` on a thread of its own, with its own
+connection: the server algorithm over a `MessageDriver` on `topics.server_queue(experiment)`, publishing
+with the server's routing key (`<experiment>.server.<cluster>`). It serves every round and ends after the
+last, on a stop command, or, while no client message comes, once the topology service says the experiment
+is over (when the aggregator knows the topology service's URL). It computes on DFCA_DEVICE, else the CPU.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any, ClassVar
+import time
+from typing import Any
 
 import httpx
+import torch
 
 from dfca import topics
-from dfca.core import init_cluster_models
+from dfca.algorithms import SERVERS, HostContext, server_of
+from dfca.algorithms.base import SERVER
 from dfca.data import build_federated_data
-from dfca.hosts.ifca_server import IFCAServer
+from dfca.devices import resolve_device
 from dfca.models import build_model
+from dfca.runtime.host_transport import RunInterrupted
+from dfca.runtime.message_driver import MessageDriver
 from dfca.runtime.messages import TERMINAL_STATUSES, StartCommand
 from dfca.transport import Transport
-from dfca.wire import ModelUpdate, encode_update
 
 log = logging.getLogger(__name__)
 
-CENTRAL_ROLES: dict[str, type[CentralRole]] = {}
+OVER_CHECK_S = 5.0  # while no client message comes, ask this often whether the experiment is over
 
 
-def central_role(*algorithms: str) -> Callable[[type[CentralRole]], type[CentralRole]]:
-    """Class decorator: run this role for experiments of `algorithms`."""
-
-    def register(cls: type[CentralRole]) -> type[CentralRole]:
-        for name in algorithms:
-            CENTRAL_ROLES[name] = cls
-        cls.algorithms = tuple(algorithms)
-        return cls
-
-    return register
-
-
-class CentralRole(ABC):
-    algorithms: ClassVar[tuple[str, ...]] = ()
-
-    def __init__(self, command: StartCommand, transport: Transport, topology_url: str | None = None) -> None:
+class ServerRole:
+    def __init__(self, command: StartCommand, transport: Transport, topology_url: str | None = None,
+                 device: str | None = None) -> None:
         self.command, self.transport, self.topology_url = command, transport, topology_url
         self.experiment, self.config = command.experiment, command.config
+        self.device = resolve_device(device, "DFCA_DEVICE") if device else torch.device("cpu")
+        self.driver: MessageDriver | None = None
 
     def experiment_over(self) -> bool:
         """The topology service says the experiment ended (False when it cannot be asked)."""
@@ -70,51 +54,48 @@ class CentralRole(ABC):
             return True
         return response.is_success and response.json().get("status") in TERMINAL_STATUSES
 
-    @abstractmethod
-    def run(self, stop: threading.Event) -> None:
-        """Serve the experiment until it is over or `stop` is set."""
-
     def progress(self) -> dict[str, Any]:
         """What the aggregator's GET /status shows about this role."""
-        return {}
-
-
-@central_role("dfca")
-class InitialModelPublisher(CentralRole):
-    def run(self, stop: threading.Event) -> None:
-        cfg = self.config
-        if cfg.init != "global":
-            return
-        data = build_federated_data(cfg)
-        model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes)
-        params = init_cluster_models(model, [0], cfg.clusters, cfg.seed, "global")
-        for j in range(cfg.clusters):
-            initial = {n: t[0, j] for n, t in params.items()}
-            update = ModelUpdate(self.experiment, topics.SERVER_SENDER, -1, j, 0, initial)
-            body, headers = encode_update(update)
-            self.transport.publish(topics.MODELS_EXCHANGE, topics.server_key(self.experiment, j), body, headers)
-        log.info("experiment %s: published %d initial models", self.experiment, cfg.clusters)
-
-
-@central_role("ifca")
-class IFCAServerRole(CentralRole):
-    server: IFCAServer | None = None
-
-    def progress(self) -> dict[str, Any]:
-        if self.server is None:
-            return {"round": 0}
-        return {"round": self.server.round, "rounds": self.config.rounds, "stats": dict(self.server.stats),
-                "presumed_dead": sorted(self.server.liveness.dead)}
+        driver = self.driver
+        if driver is None:
+            return {"algorithm": self.config.algorithm, "round": 0}
+        return {"algorithm": self.config.algorithm, "round": driver.rounds_done,
+                "rounds": driver.schedule.total_rounds, "stats": driver.stats.as_dict(),
+                "presumed_dead": sorted(driver.liveness.dead)}
 
     def run(self, stop: threading.Event) -> None:
+        """Serve every round; return early when `stop` is set or the experiment is over."""
         cfg = self.config
         data = build_federated_data(cfg)  # for the model's shapes; the server holds no client data
-        model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes)
-        self.server = IFCAServer(cfg, self.experiment, self.transport, model)
+        model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, self.device)
+        server = server_of(HostContext(cfg, model, None, [SERVER], dict(self.command.neighbours), self.device))
+        assert server is not None, f"{cfg.algorithm} has no central role"
+        next_check = time.monotonic() + OVER_CHECK_S
+
+        def keep_going() -> bool:
+            nonlocal next_check
+            if stop.is_set():
+                return False
+            if self.topology_url and time.monotonic() >= next_check:
+                next_check = time.monotonic() + OVER_CHECK_S
+                return not self.experiment_over()
+            return True
+
+        driver = MessageDriver(server, self.experiment, self.transport, keep_going)
+        self.driver = driver
         try:
-            self.server.run(stop, self.experiment_over if self.topology_url else None)
+            driver.setup()
+            for t in range(driver.schedule.total_rounds):
+                driver.run_round(t, cfg.runtime.round_timeout)
+            log.info("experiment %s: %s server done after %d rounds (%s)", self.experiment, cfg.algorithm,
+                     driver.rounds_done, driver.stats.as_dict())
+        except RunInterrupted:
+            log.info("experiment %s: %s server stops at round %d", self.experiment, cfg.algorithm, driver.round)
         finally:
             try:
-                self.transport.delete_queue(self.server.queue)
+                self.transport.delete_queue(topics.server_queue(self.experiment))
             except Exception as err:  # a broker hiccup: the queue is left behind, harmless
-                log.debug("could not delete %s: %s", self.server.queue, err)
+                log.debug("could not delete the server queue: %s", err)
+
+
+CENTRAL_ROLES: dict[str, type[ServerRole]] = {name: ServerRole for name in SERVERS}

@@ -1,16 +1,17 @@
-"""The round loop of one experiment on one worker, around `dfca.host.ClientHost` (which does all the math).
+"""The round loop of one experiment on one worker, around the message driver (runtime.message_driver).
 
 Life of a runner (one thread, never the transport's I/O thread):
 1. prepare: build the data every process builds identically from the seed, keep this worker's
-   clients, create the algorithm's host (`dfca.hosts.build_host`: DFCA's ClientHost or a baseline's
-   subclass) over a `HostTransport`, declare and bind its queues, and load
-   `<checkpoint_dir>/<experiment>/<ordinal>.safetensors` if it exists (a restart resumes there);
+   clients, place them on the worker's device (DFCA_DEVICE, else the config's `device`), build the
+   algorithm (dfca.algorithms) and a message driver over a `HostTransport`, declare and bind its
+   queues, and load `<checkpoint_dir>/<experiment>/<ordinal>.safetensors` if it exists (a restart
+   resumes there);
 2. report `ready` (or `resumed`), then wait for the topology service's `go` (the start barrier:
    nobody publishes round 0 before every queue is bound) unless the experiment is already running;
-3. rounds: apply due topology changes, local step, stop waiting for presumed-dead neighbours,
-   collect until every live neighbour's model arrived or `runtime.round_timeout` passed, finish,
-   checkpoint, then ack the round's messages and report the round to `dfca.metrics`;
-4. report `finished` after `rounds`, `stopped` on a stop command, `failed` on an error.
+3. rounds: apply due topology changes, run the round's exchanges (the driver waits for every live
+   neighbour or `runtime.round_timeout`), checkpoint, then ack the round's messages and report the
+   round to `dfca.metrics`;
+4. report `finished` after the last round, `stopped` on a stop command, `failed` on an error.
 
 A lost broker connection is absorbed by the transport (it reconnects and the broker redelivers
 what was not acked). If the transport gives up (`TransportError`), the runner starts over from
@@ -30,12 +31,13 @@ from pathlib import Path
 
 import torch
 
+from dfca.algorithms import HostContext, clients_of
 from dfca.config import ExperimentConfig
 from dfca.data import FederatedData, build_federated_data
-from dfca.host import ClientHost
-from dfca.hosts import apply_graph, build_host
+from dfca.devices import worker_device
+from dfca.models import build_model
 from dfca.runtime.host_transport import HostTransport, RunInterrupted
-from dfca.runtime.liveness import NeighbourLiveness
+from dfca.runtime.message_driver import MessageDriver
 from dfca.runtime.messages import (
     GoCommand,
     RoundReport,
@@ -44,7 +46,8 @@ from dfca.runtime.messages import (
     WorkerEvent,
     WorkerState,
 )
-from dfca.runtime.sharding import clients_of
+from dfca.runtime.sharding import clients_of as hosted_clients
+from dfca.schedule import RoundSchedule
 from dfca.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -65,10 +68,11 @@ class RunSpec:
     neighbours: dict[int, list[int]]  # the whole graph
     topology_version: int = 0
     go: bool = False  # the experiment is already past its start barrier
+    device: str | None = None  # DFCA_DEVICE: where this worker computes (None: the config's `device`)
 
     @property
     def clients(self) -> list[int]:
-        return clients_of(self.ordinal, self.workers, self.config.data.clients)
+        return hosted_clients(self.ordinal, self.workers, self.config.data.clients)
 
 
 def checkpoint_path(checkpoint_dir: Path, experiment: str, ordinal: int) -> Path:
@@ -110,8 +114,9 @@ class ClientRunner:
         self.checkpoint = checkpoint_path(checkpoint_dir, spec.experiment, spec.ordinal)
         self.incarnation = uuid.uuid4().hex[:8]
         self.status = RunnerStatus()
-        self.host: ClientHost | None = None
+        self.driver: MessageDriver | None = None
         self._data = data
+        self.device = torch.device("cpu")
         self._inbox: queue.Queue[GoCommand | StopCommand | TopologyChange] = queue.Queue()
         self._go = threading.Event()
         self._stop = threading.Event()
@@ -156,8 +161,10 @@ class ClientRunner:
         spec = self.spec
         try:
             torch.set_flush_denormal(True)
+            self.device = worker_device(spec.config.device, spec.device)
             if self._data is None:
                 self._data = build_federated_data(spec.config).subset(spec.clients)
+            self._data = self._data.to(self.device)
             self._run_with_recovery()
         except RunInterrupted:
             pass
@@ -192,8 +199,10 @@ class ClientRunner:
 
     def _run_once(self, first: bool) -> None:
         spec, cfg = self.spec, self.spec.config
-        assert self._data is not None
-        steps = max((cfg.dfca.steps_at(t) for t in range(cfg.total_rounds)), default=0)
+        data = self._data
+        assert data is not None
+        schedule = RoundSchedule(cfg)
+        steps = max((schedule.gossip_steps(t) for t in range(schedule.total_rounds)), default=0)
         transport = HostTransport(self.connect(prefetch_for(spec.neighbours, steps)))
         self._transport = transport
         if self._stop.is_set():
@@ -205,12 +214,14 @@ class ClientRunner:
                 self._wait_for_go()
                 self._report("finished")
                 return
-            host = build_host(cfg, spec.experiment, spec.clients, self._data, self._graph, transport)
-            self.host = host
-            host.setup()
+            model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, self.device)
+            ctx = HostContext(cfg, model, data, spec.clients, self._graph, self.device)
+            driver = MessageDriver(clients_of(ctx), spec.experiment, transport)
+            self.driver = driver
+            driver.setup()
             next_round = 0
             if self.checkpoint.exists():
-                next_round = host.load_checkpoint(self.checkpoint) + 1
+                next_round = driver.load_checkpoint(self.checkpoint) + 1
                 if first:
                     self.status.resumed_from = next_round
                     log.info("experiment %s: worker %d resumes after round %d from %s", spec.experiment,
@@ -219,7 +230,7 @@ class ClientRunner:
             if first:
                 self._report("resumed" if self.status.resumed_from else "ready")
             self._wait_for_go()
-            self._rounds(host, transport, next_round)
+            self._rounds(driver, transport, next_round)
             self._report("finished")
         finally:
             self._transport = None
@@ -232,39 +243,28 @@ class ClientRunner:
             raise RunInterrupted
         self.status.state = "running"
 
-    def _rounds(self, host: ClientHost, transport: HostTransport, start: int) -> None:
+    def _rounds(self, driver: MessageDriver, transport: HostTransport, start: int) -> None:
         cfg = self.spec.config
-        liveness = NeighbourLiveness()
-        for t in range(start, cfg.total_rounds):
+        total = driver.schedule.total_rounds
+        for t in range(start, total):
             if self._stop.is_set():
                 raise RunInterrupted
             began = time.perf_counter()
-            self._apply_control(host, t)
-            revived = liveness.revive(transport.sightings, t - 1)
-            if revived:
-                log.info("round %d: neighbours %s are back", t, revived)
-            dead = liveness.dead
-            host.local_step(t)
-            for c in host.clients:
-                host.waiting[c] -= dead
-            expected = {m for c in host.clients for m in host.neighbours[c]} - dead
-            complete = host.collect(cfg.runtime.round_timeout)
-            missing = {m for c in host.clients for m in host.waiting[c]}
-            liveness.observe_round(expected, missing)
-            host.finish_round()
-            host.save_checkpoint(self.checkpoint)
+            self._apply_control(driver, t)
+            complete = driver.run_round(t, cfg.runtime.round_timeout)
+            driver.save_checkpoint(self.checkpoint)
             transport.flush_acks()
             self.status.rounds_done = t + 1
-            evaluate = (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.total_rounds
+            evaluate = (t + 1) % cfg.eval_every == 0 or t + 1 == total
             self.emit(RoundReport(
                 deployment=self.spec.deployment, experiment=self.spec.experiment, worker=self.spec.ordinal,
-                incarnation=self.incarnation, round=t + 1, clients=host.clients, complete=complete,
-                seconds=time.perf_counter() - began, evaluation=host.evaluate() if evaluate else None,
-                stats=host.stats.as_dict(), lag_seconds=transport.take_lag(),
-                bytes_published=transport.take_bytes_published(), dead_neighbours=sorted(liveness.dead),
+                incarnation=self.incarnation, round=t + 1, clients=driver.ids, complete=complete,
+                seconds=time.perf_counter() - began, evaluation=driver.report() if evaluate else None,
+                stats=driver.stats.as_dict(), lag_seconds=transport.take_lag(),
+                bytes_published=transport.take_bytes_published(), dead_neighbours=sorted(driver.liveness.dead),
             ))
 
-    def _apply_control(self, host: ClientHost, t: int) -> None:
+    def _apply_control(self, driver: MessageDriver, t: int) -> None:
         """Topology changes due by round t: rebind each client's queue to its new neighbours."""
         while True:
             try:
@@ -278,7 +278,7 @@ class ClientRunner:
             self.status.pending_topology.remove(change)
             if change.version <= self._version:
                 continue
-            apply_graph(host, change.neighbours)
+            driver.set_graph(change.neighbours)
             self._graph = {int(c): list(ms) for c, ms in change.neighbours.items()}
             self._version = change.version
             log.info("round %d: topology version %d applied", t, change.version)

@@ -23,11 +23,12 @@ import networkx as nx
 from dfca.config import ALGORITHMS, ExperimentConfig
 from dfca.runtime.messages import TERMINAL_STATUSES, ExperimentStatus, RoundReport, WorkerEvent
 from dfca.runtime.sharding import assignment
+from dfca.schedule import RoundSchedule
 
 BARRIER_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 20.0
 HEARTBEAT_S = 2.0
-RUNTIME_ALGORITHMS = frozenset(ALGORITHMS)  # every algorithm has a host (dfca.hosts.HOSTS); ifca needs the aggregator
+RUNTIME_ALGORITHMS = frozenset(ALGORITHMS)  # every algorithm runs on the message driver; ifca needs the aggregator
 
 
 def dead_after(cfg: ExperimentConfig) -> float:
@@ -108,7 +109,7 @@ class ExperimentRecord:
         now = time.time() if now is None else now
         return {
             "id": self.id, "name": self.config.name, "algorithm": self.config.algorithm, "status": self.status,
-            "round": self.round, "rounds": self.config.total_rounds, "clients": self.num_clients,
+            "round": self.round, "rounds": RoundSchedule(self.config).total_rounds, "clients": self.num_clients,
             "workers": self.workers,
             "go": self.go, "topology_version": self.topology_version, "created_at": self.created_at,
             "started_at": self.started_at, "finished_at": self.finished_at, "failed_clients": self.failed_clients,

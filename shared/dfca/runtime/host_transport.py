@@ -1,13 +1,11 @@
-"""The transport a worker's ClientHost talks through: a thin wrapper over any `Transport`.
+"""The transport a worker's message driver talks through: a thin wrapper over any `Transport`.
 
-It adds four things the round loop needs, without touching the DFCA driver:
+It adds three things the round loop needs, without touching the driver:
 - acks are deferred until `flush_acks()`, which the runner calls right after a round's checkpoint
   is on disk. A worker killed mid-round loses no neighbour model: the broker redelivers the
   unacknowledged ones to the restarted worker, which resumes from that checkpoint.
   Rejections (dead-lettering) are not deferred.
 - published messages carry a `sent_at` header; deliveries measure the lag from it.
-- every delivered model's sender and round are noted, so the liveness tracker can revive a
-  neighbour it had given up on (`sightings`).
 - `interrupt()` makes the next `receive` raise `RunInterrupted`, so a stop never waits for a
   round timeout.
 """
@@ -33,7 +31,6 @@ class HostTransport(Transport):
         self.inner = inner
         self._pending_acks: list[Message] = []
         self._interrupted = threading.Event()
-        self.sightings: dict[int, int] = {}  # sender -> latest round seen from it
         self.lag_total = 0.0
         self.lag_count = 0
         self.bytes_published = 0
@@ -48,10 +45,6 @@ class HostTransport(Transport):
     def interrupt(self) -> None:
         self._interrupted.set()
 
-    @property
-    def interrupted(self) -> bool:
-        return self._interrupted.is_set()
-
     def take_bytes_published(self) -> int:
         published, self.bytes_published = self.bytes_published, 0
         return published
@@ -65,12 +58,6 @@ class HostTransport(Transport):
     def _note(self, message: Message) -> None:
         if message.exchange != topics.MODELS_EXCHANGE:
             return
-        try:
-            _, sender, _ = topics.parse_model_key(message.routing_key)
-            round_ = int(str(message.headers.get("round")))
-        except (ValueError, TypeError):
-            return
-        self.sightings[sender] = max(round_, self.sightings.get(sender, round_))
         try:
             lag = time.time() - float(str(message.headers[SENT_AT_HEADER]))
         except (KeyError, ValueError):

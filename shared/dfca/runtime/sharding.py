@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 
-def worker_of(client: int, workers: int) -> int:
-    return int(client) % int(workers)
-
-
 def clients_of(ordinal: int, workers: int, num_clients: int) -> list[int]:
     """The clients worker `ordinal` hosts; empty when there are more workers than clients."""
     if not 0 <= ordinal < workers:

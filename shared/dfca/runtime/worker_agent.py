@@ -58,9 +58,11 @@ class WorkerAgent:
         checkpoint_dir: Path,
         topology_url: str | None,
         data_root: str | None = None,
+        device: str | None = None,
     ) -> None:
         self.deployment, self.ordinal, self.workers, self.connect = deployment, ordinal, workers, connect
         self.checkpoint_dir, self.topology_url, self.data_root = checkpoint_dir, topology_url, data_root
+        self.device = device  # DFCA_DEVICE, or None: each experiment's config decides
         self.transport = connect(64)
         self.runners: dict[str, ClientRunner] = {}
         self.lock = threading.RLock()
@@ -101,7 +103,7 @@ class WorkerAgent:
             if self.topology_url and self._status(command.experiment) not in ("running", None):
                 return  # a backlog command of an experiment that is over
             self._launch(RunSpec(self.deployment, command.experiment, command.config, command.workers,
-                                 self.ordinal, command.neighbours, command.topology_version))
+                                 self.ordinal, command.neighbours, command.topology_version, device=self.device))
             return
         with self.lock:
             runner = self.runners.get(command.experiment)
@@ -169,7 +171,7 @@ class WorkerAgent:
                     continue
                 detail = client.get(f"/experiments/{item['id']}").raise_for_status().json()
                 topo = client.get(f"/experiments/{item['id']}/topology").raise_for_status().json()
-                self._launch(spec_from_rest(self.deployment, self.ordinal, detail, topo))
+                self._launch(spec_from_rest(self.deployment, self.ordinal, detail, topo, self.device))
 
     def _status(self, experiment: str) -> str | None:
         """The experiment's status per the topology service; None when it cannot be asked."""
@@ -185,10 +187,11 @@ class WorkerAgent:
         return self.recovered.is_set() and not self.stopping.is_set()
 
 
-def spec_from_rest(deployment: str, ordinal: int, detail: dict[str, Any], topo: dict[str, Any]) -> RunSpec:
+def spec_from_rest(deployment: str, ordinal: int, detail: dict[str, Any], topo: dict[str, Any],
+                   device: str | None = None) -> RunSpec:
     return RunSpec(
         deployment=deployment, experiment=detail["id"], config=ExperimentConfig.model_validate(detail["config"]),
         workers=int(topo["workers"]), ordinal=ordinal,
         neighbours={int(c): [int(m) for m in ms] for c, ms in topo["neighbours"].items()},
-        topology_version=int(topo["version"]), go=bool(detail["go"]),
+        topology_version=int(topo["version"]), go=bool(detail["go"]), device=device,
     )

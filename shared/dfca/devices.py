@@ -1,0 +1,44 @@
+"""Where models, data shards and computation live: the config's `device`, or DFCA_DEVICE on a worker.
+
+`cpu` and `cuda` mean what they say; `cuda` on a machine without a CUDA device is an error that names
+the setting. `auto` takes the GPU when there is one and logs once when it falls back to the CPU.
+Payloads cross the wire as CPU tensors whatever the device (dfca.wire).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+DEVICES = ("cpu", "cuda", "auto")
+_warned_auto = False
+
+
+class DeviceUnavailable(ValueError):
+    """The device a setting names is not on this machine; the message names the setting."""
+
+
+def resolve_device(name: str, setting: str = "device") -> torch.device:
+    global _warned_auto
+    if name not in DEVICES:
+        raise DeviceUnavailable(f"{setting}: {name!r} is not one of {', '.join(DEVICES)}")
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if not _warned_auto:
+            log.info("%s: auto found no CUDA device; computing on the CPU", setting)
+            _warned_auto = True
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DeviceUnavailable(f"{setting}: cuda, but this machine has no CUDA device "
+                                "(torch.cuda.is_available() is False); use cpu or auto")
+    return torch.device(name)
+
+
+def worker_device(config_device: str, env_device: str | None) -> torch.device:
+    """A worker computes where DFCA_DEVICE says, else where the experiment's config says."""
+    if env_device:
+        return resolve_device(env_device, "DFCA_DEVICE")
+    return resolve_device(config_device)

@@ -1,0 +1,368 @@
+"""Driver 2, the message driver: one side of an algorithm, for the rows it hosts, over a Transport.
+
+It runs the simulator's algorithm objects (dfca.algorithms) unchanged and owns everything around them:
+- queues: one per hosted client, bound to its neighbours' keys and/or the server's (the algorithm's
+  `links`); a central role has one queue, bound to every client's keys;
+- each exchange of a round: publish every hosted row's message, collect until every expected sender's
+  messages arrived or the deadline passed (`runtime.round_timeout` x the exchange's `wait`; counted from
+  the first arrival where the exchange `needs_arrival`), close it;
+- one decoder (dfca.wire.decode_message): routing key against headers, experiment, an exchange that the
+  message's round has, payload names, shapes and values; a bad message is dead-lettered and counted;
+- dedupe: a message is used at most once per (receiver, sender, round, exchange, step, part);
+- order: a message of a later exchange is held (unacknowledged) until its exchange opens. One of the open
+  exchange is folded at once (`aggregation: sequential`: DFCA's running average, eq. 8, so a client holds
+  O(k |theta|) however many neighbours it has) or, in an exchange whose messages are averaged, held and
+  folded in sender order when the exchange closes (`batch`, eq. 7). One of an earlier exchange is stale:
+  folded into the open exchange one round later if that exchange has its name and takes stale messages
+  and `runtime.staleness` is merge, else dropped;
+- liveness (runtime.liveness): a client that missed its messages in consecutive rounds is presumed dead and
+  not waited for, until a message of the round before or later comes from it again;
+- checkpoints: the algorithm's state, with the round and the hosted ids, as safetensors, written atomically.
+  Acknowledgements are the transport's business: a worker's HostTransport defers them until the
+  checkpoint that covers them is on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dfca import topics
+from dfca.algorithms import Algorithm, Exchange, Inbox
+from dfca.algorithms.base import SERVER, Graph
+from dfca.runtime.host_transport import RunInterrupted
+from dfca.runtime.liveness import NeighbourLiveness
+from dfca.transport import Message, Transport
+from dfca.transport.broker_setup import ensure_broker_topology
+from dfca.wire import Envelope, PayloadRejected, Spec, decode_message, encode_message
+
+log = logging.getLogger(__name__)
+
+KEEP_GOING_EVERY_S = 0.25  # how often a waiting driver asks whether to go on
+Identity = tuple[int, int, int, str, int, int]  # receiver, sender, round, exchange, step, part
+
+
+@dataclass
+class DriverStats:
+    published: int = 0
+    applied: int = 0  # (receiver, message) pairs the algorithm used
+    ignored: int = 0  # delivered, but of no use to the algorithm (FedSPD: another cluster)
+    duplicates: int = 0
+    stale_dropped: int = 0
+    stale_merged: int = 0
+    not_neighbour: int = 0
+    timeouts: int = 0  # exchanges closed by their deadline
+    rejected: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "rejected"}
+        out["rejected"] = dict(self.rejected)
+        out["rejected_total"] = sum(self.rejected.values())
+        return out
+
+
+@dataclass
+class Delivery:
+    row: int
+    message: Message
+    envelope: Envelope
+
+
+class MessageDriver:
+    def __init__(self, algorithm: Algorithm, experiment: str, transport: Transport,
+                 keep_going: Callable[[], bool] | None = None) -> None:
+        self.algorithm, self.transport, self.keep_going = algorithm, transport, keep_going
+        self.experiment = topics.check_word(experiment, "experiment id")
+        ctx = algorithm.ctx
+        self.cfg, self.schedule, self.side = ctx.cfg, algorithm.schedule, algorithm.side
+        self.ids = list(ctx.clients)
+        self.queues = ([topics.server_queue(experiment)] if self.side == "server"
+                       else [topics.client_queue(experiment, c) for c in self.ids])
+        self.model_dtype = torch.float16 if self.cfg.runtime.payload_dtype == "float16" else torch.float32
+        self.round, self.index, self.rounds_done = -1, -1, 0
+        self.exchanges: list[Exchange] = []
+        self.held: list[Delivery] = []  # messages of later exchanges
+        self.batch: list[Delivery] = []  # the open exchange's messages, under `aggregation: batch`
+        self.seen: set[Identity] = set()
+        self.waiting: list[dict[int, int]] = [{} for _ in self.ids]  # per row: sender -> messages still due
+        self.missed: set[int] = set()  # senders that missed an exchange of this round
+        self.dead: set[int] = set()  # presumed dead at the start of this round
+        self.sightings: dict[int, int] = {}  # sender -> the latest round heard from it
+        self.liveness = NeighbourLiveness()
+        self.stats = DriverStats()
+        self.opened_at, self.first_arrival = 0.0, None  # of the open exchange
+        self._next_check = 0.0
+
+    @property
+    def neighbours(self) -> dict[int, list[int]]:
+        """The hosted clients' current neighbours."""
+        return {c: sorted(self.algorithm.ctx.graph.get(c, ())) for c in self.ids}
+
+    # -- wiring -----------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Declare the exchanges and the hosted rows' queues, and bind them to whom the algorithm hears."""
+        ensure_broker_topology(self.transport)
+        for queue in self.queues:
+            self.transport.declare_queue(queue, dead_letter_exchange=topics.DEAD_LETTER_EXCHANGE)
+        if self.side == "server":
+            self._bind_uploads(range(self.cfg.data.clients))
+            return
+        links = self.algorithm.links
+        for client, queue in zip(self.ids, self.queues, strict=True):
+            if "neighbours" in links:
+                for m in self.algorithm.ctx.graph.get(client, ()):
+                    self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, m))
+            if "server" in links:
+                self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.server_binding(self.experiment))
+        if "server" in links:  # uploads wait in the server's queue until the aggregator is there
+            self.transport.declare_queue(topics.server_queue(self.experiment),
+                                         dead_letter_exchange=topics.DEAD_LETTER_EXCHANGE)
+            self._bind_uploads(self.ids)
+
+    def _bind_uploads(self, clients: Any) -> None:
+        queue = topics.server_queue(self.experiment)
+        for c in clients:
+            self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, c))
+
+    def set_graph(self, graph: Graph) -> None:
+        """A topology change (the whole new graph): rebind each hosted client's queue, tell the algorithm."""
+        if "neighbours" in self.algorithm.links and self.side == "clients":
+            for client, queue in zip(self.ids, self.queues, strict=True):
+                old, new = set(self.algorithm.ctx.graph.get(client, ())), set(graph.get(client, ()))
+                for m in old - new:
+                    self.transport.unbind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, m))
+                for m in new - old:
+                    self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, m))
+        self.algorithm.set_graph({int(c): [int(m) for m in ms] for c, ms in graph.items()})
+
+    def sources(self, row: int, ex: Exchange) -> set[int]:
+        """Who may send row `row` a message of `ex`."""
+        if ex.sender == "server":
+            return {SERVER}
+        if self.side == "server":
+            return set(range(self.cfg.data.clients))
+        return set(self.algorithm.ctx.graph.get(self.ids[row], ()))
+
+    # -- a round --------------------------------------------------------------------------------------------
+    def run_round(self, t: int, timeout: float) -> bool:
+        """Round t: every exchange published, collected and closed. True when no exchange timed out."""
+        self.begin_round(t)
+        complete = True
+        for index in range(len(self.exchanges)):
+            self.start_exchange(index)
+            complete &= self.collect(timeout)
+            self.end_exchange()
+        self.end_round()
+        return complete
+
+    def begin_round(self, t: int) -> None:
+        self.round, self.index, self.missed = t, -1, set()
+        revived = self.liveness.revive(self.sightings, t - 1)
+        if revived:
+            log.info("round %d: %s heard from again", t, revived)
+        self.dead = self.liveness.dead
+        self.exchanges = self.algorithm.exchanges(t)
+        self.algorithm.begin_round(t)
+
+    def start_exchange(self, index: int) -> None:
+        """Open exchange `index` of the round: publish this side's messages, then take the held ones of it."""
+        self.index = index
+        ex = self.exchanges[index]
+        receiving = ex.receiver == self.side
+        self.waiting = [{m: ex.parts for m in self.sources(r, ex) - self.dead} if receiving else {}
+                        for r in range(len(self.ids))]
+        self.batch, self.opened_at, self.first_arrival = [], time.monotonic(), None
+        if ex.sender == self.side:
+            self.publish(ex)  # before anything arrived is folded in: what the row sends is its own
+        held, self.held = self.held, []
+        for delivery in held:
+            self._route(delivery)
+
+    def publish(self, ex: Exchange) -> None:
+        """Every hosted row's message of `ex`, one publish each (the broker fans it out)."""
+        out = self.algorithm.send(ex)
+        spec = self.algorithm.payload(ex)
+        for s, (row, part) in enumerate(zip(out.row.tolist(), out.part.tolist(), strict=True)):
+            sender = self.ids[row]
+            envelope = Envelope(self.experiment, sender, self.round, ex.name, ex.step, part,
+                                {n: out.tensors[n][s] for n in spec})
+            body, headers = encode_message(envelope, spec, self.model_dtype)
+            self.transport.publish(topics.MODELS_EXCHANGE, topics.model_key(self.experiment, sender, part), body,
+                                   headers)
+            self.stats.published += 1
+
+    def collect(self, timeout: float) -> bool:
+        """Receive the open exchange's messages until none is due or its deadline passes. True if none is missing."""
+        ex = self.exchanges[self.index]
+        while any(self.waiting):
+            got = False
+            for r, queue in enumerate(self.queues):
+                while self.waiting[r] and (message := self.transport.receive(queue, 0.0)) is not None:
+                    self.handle(r, message)
+                    got = True
+            if got or not any(self.waiting):
+                continue
+            now = time.monotonic()
+            start = self.first_arrival if ex.needs_arrival else self.opened_at
+            deadline = None if start is None else start + ex.wait * timeout
+            if deadline is not None and now >= deadline:
+                break
+            self._check_keep_going(now)
+            r = next(r for r, w in enumerate(self.waiting) if w)
+            wait = 0.05 if deadline is None else min(0.05, deadline - now)
+            if (message := self.transport.receive(self.queues[r], wait)) is not None:
+                self.handle(r, message)
+        missing = {m for w in self.waiting for m in w}
+        if missing:
+            self.stats.timeouts += 1
+            self.missed |= missing
+            log.warning("round %d %s %d: timed out waiting for %s", self.round, ex.name, ex.step, sorted(missing))
+        for delivery in sorted(self.batch, key=lambda d: (d.envelope.sender, d.row)):
+            self._deliver(delivery, stale=False)
+        self.batch = []
+        return not missing
+
+    def _check_keep_going(self, now: float) -> None:
+        if self.keep_going is not None and now >= self._next_check:
+            self._next_check = now + KEEP_GOING_EVERY_S
+            if not self.keep_going():
+                raise RunInterrupted
+
+    def end_exchange(self) -> None:
+        self.algorithm.end_exchange(self.exchanges[self.index])
+
+    def end_round(self) -> None:
+        self.algorithm.end_round(self.round)
+        expected = {m for r in range(len(self.ids)) for ex in self.exchanges if ex.receiver == self.side
+                    for m in self.sources(r, ex)} - {SERVER}  # a central role is never presumed dead
+        self.liveness.observe_round(expected - self.dead, self.missed - {SERVER})
+        self.rounds_done = self.round + 1
+        self.seen = {i for i in self.seen if i[2] >= self.round}  # older ones are stale, never applied again
+
+    # -- messages -------------------------------------------------------------------------------------------
+    def handle(self, row: int, message: Message) -> None:
+        """Check one message delivered to row `row`'s queue, then fold, hold, drop or reject it."""
+        try:
+            envelope = decode_message(message.routing_key, message.body, message.headers, self.experiment,
+                                      self.spec_of)
+        except PayloadRejected as err:
+            self.stats.rejected[err.reason] += 1
+            log.warning("rejected message %s for %s: %s", message.routing_key, self.queues[row], err)
+            self.transport.reject(message, requeue=False)  # to the dead-letter exchange
+            return
+        self.sightings[envelope.sender] = max(envelope.round, self.sightings.get(envelope.sender, envelope.round))
+        _, ex = self.exchange_of(envelope)
+        if envelope.sender not in self.sources(row, ex) or ex.receiver != self.side:
+            self.stats.not_neighbour += 1
+            self.transport.ack(message)
+            return
+        self._route(Delivery(row, message, envelope))
+
+    def _route(self, delivery: Delivery) -> None:
+        row, envelope = delivery.row, delivery.envelope
+        identity = self.identity(delivery)
+        if identity in self.seen:
+            self.stats.duplicates += 1
+            self.transport.ack(delivery.message)
+            return
+        index, ex = self.exchange_of(envelope)
+        here = (envelope.round, index)
+        now = (self.round, self.index)
+        if here > now:
+            self.held.append(delivery)
+            return
+        if here == now:
+            due = self.waiting[row]
+            if envelope.sender in due:
+                due[envelope.sender] -= 1
+                if due[envelope.sender] <= 0:
+                    del due[envelope.sender]
+            if self.first_arrival is None:
+                self.first_arrival = time.monotonic()
+            if self.cfg.aggregation == "batch" and ex.averaged:
+                self.seen.add(identity)  # a duplicate arriving before the batch is folded is a duplicate
+                self.batch.append(delivery)
+            else:
+                self._deliver(delivery, stale=False)
+            return
+        current = self.exchanges[self.index]
+        if (ex.stale_ok and self.cfg.runtime.staleness == "merge" and envelope.round == self.round - 1
+                and current.name == ex.name and current.stale_ok and current.receiver == self.side):
+            self.stats.stale_merged += 1
+            self._deliver(delivery, stale=True)
+            return
+        self.stats.stale_dropped += 1
+        self.seen.add(identity)
+        self.transport.ack(delivery.message)
+
+    def _deliver(self, delivery: Delivery, stale: bool) -> None:
+        """Hand one message to the algorithm: an inbox of one message, delivered to one row."""
+        envelope, device = delivery.envelope, self.algorithm.ctx.device
+        delivered = torch.zeros(len(self.ids), 1, dtype=torch.bool, device=device)
+        delivered[delivery.row] = True
+        inbox = Inbox(delivered, torch.tensor([envelope.sender], device=device),
+                      torch.tensor([envelope.part], device=device),
+                      {n: t.unsqueeze(0).to(device) for n, t in envelope.tensors.items()}, envelope.round)
+        used = self.algorithm.receive(self.exchanges[self.index], inbox)
+        self.stats.applied += used
+        self.stats.ignored += 1 - min(used, 1)
+        self.seen.add(self.identity(delivery))
+        self.transport.ack(delivery.message)
+
+    def identity(self, delivery: Delivery) -> Identity:
+        e = delivery.envelope
+        return (self.ids[delivery.row], e.sender, e.round, e.exchange, e.step, e.part)
+
+    def exchange_of(self, head: Envelope) -> tuple[int, Exchange]:
+        """The index and exchange a message belongs to; PayloadRejected if its round has no such exchange."""
+        if not 0 <= head.round < self.schedule.total_rounds:
+            raise PayloadRejected("round", f"round {head.round} outside 0..{self.schedule.total_rounds - 1}")
+        exchanges = self.exchanges if head.round == self.round else self.algorithm.exchanges(head.round)
+        for index, ex in enumerate(exchanges):
+            if (ex.name, ex.step) == (head.exchange, head.step):
+                return index, ex
+        raise PayloadRejected("exchange", f"round {head.round} has no exchange {head.exchange!r} step {head.step}")
+
+    def spec_of(self, head: Envelope) -> Spec:
+        _, ex = self.exchange_of(head)
+        if not 0 <= head.part < self.algorithm.k:
+            raise PayloadRejected("cluster", f"part {head.part} outside 0..{self.algorithm.k - 1}")
+        return self.algorithm.payload(ex)
+
+    # -- reports and checkpoints ----------------------------------------------------------------------------
+    def report(self) -> dict[str, list[Any]]:
+        """The hosted clients' evaluation, as a round report carries it."""
+        ev = self.algorithm.evaluate()
+        return {"clients": self.ids, "assigned": ev.assigned.tolist(), "test_accuracy": ev.test_accuracy.tolist(),
+                "train_loss": ev.train_loss.tolist(), "true_cluster": self.algorithm.data().true_cluster.tolist(),
+                **ev.extra}
+
+    def save_checkpoint(self, path: Path) -> None:
+        """The hosted rows' state after the last round, as safetensors; written atomically."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {n: v.detach().to("cpu").contiguous() for n, v in self.algorithm.state().items()}
+        meta = {"round": str(self.round), "experiment": self.experiment, "clients": json.dumps(self.ids)}
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        tmp.replace(path)
+
+    def load_checkpoint(self, path: Path) -> int:
+        """Restore the state; returns the last completed round (the next round is that + 1)."""
+        with safe_open(str(path), "pt") as f:
+            meta: Mapping[str, str] = f.metadata()
+        if meta.get("experiment") != self.experiment or json.loads(meta["clients"]) != self.ids:
+            raise ValueError(f"checkpoint {path} belongs to another experiment or client set")
+        self.algorithm.load_state(load_file(str(path)))
+        self.round = int(meta["round"])
+        self.rounds_done = self.round + 1
+        return self.round

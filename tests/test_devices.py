@@ -1,0 +1,120 @@
+"""Devices are real: `device` (and DFCA_DEVICE on a worker) place models, data and computation; a device the machine
+lacks is a clear error naming the setting. Parametrised over the devices this machine has (CI: the CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from test_driver_equivalence import DEVICES, small_config
+from typer.testing import CliRunner
+
+from dfca import devices
+from dfca.cli import app
+from dfca.devices import DeviceUnavailable, resolve_device, worker_device
+from dfca.graph import build_graph, neighbours
+from dfca.runtime.client_runner import ClientRunner, RunSpec
+from dfca.runtime.messages import RoundReport, WorkerEvent
+from dfca.simulator import simulate
+from dfca.transport import InMemoryBroker, InMemoryTransport
+
+
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_cuda_without_a_gpu_names_the_setting_and_auto_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    no_gpu(monkeypatch)
+    assert resolve_device("cpu") == resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(DeviceUnavailable, match="device: cuda, but this machine has no CUDA device"):
+        resolve_device("cuda")
+    with pytest.raises(DeviceUnavailable, match="DFCA_DEVICE: 'tpu' is not one of"):
+        worker_device("cpu", "tpu")
+    assert worker_device("cuda", "cpu") == torch.device("cpu")  # DFCA_DEVICE wins over the config
+    with pytest.raises(DeviceUnavailable, match="DFCA_DEVICE: cuda"):
+        worker_device("cpu", "cuda")
+    with pytest.raises(DeviceUnavailable, match="^device: cuda"):
+        worker_device("cuda", None)  # unset: the config decides
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == resolve_device("cuda") == torch.device("cuda")
+
+
+def test_auto_falls_back_with_one_log_line(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    no_gpu(monkeypatch)
+    monkeypatch.setattr(devices, "_warned_auto", False)
+    with caplog.at_level("INFO", logger="dfca.devices"):
+        for _ in range(3):
+            resolve_device("auto")
+    assert [r.getMessage() for r in caplog.records] == ["device: auto found no CUDA device; computing on the CPU"]
+
+
+def test_dfca_validate_and_run_refuse_cuda_on_a_machine_without_one(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    no_gpu(monkeypatch)
+    path = tmp_path / "cuda.yaml"
+    path.write_text(yaml.safe_dump(small_config(device="cuda").model_dump()))
+    runner = CliRunner()
+    for args in (["validate", str(path)], ["run", str(path), "--out", str(tmp_path / "out")]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and "device: cuda, but this machine has no CUDA device" in result.output
+    assert not (tmp_path / "out").exists()
+    path.write_text(yaml.safe_dump(small_config(device="auto").model_dump()))
+    result = runner.invoke(app, ["validate", str(path)])
+    assert result.exit_code == 0 and "device cpu" in result.output
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algorithm", ["dfca", "ifca", "dfedavgm", "fedspd", "local"])
+def test_the_simulator_keeps_every_algorithm_on_its_device(algorithm: str, device: str) -> None:
+    cfg = small_config(algorithm=algorithm, device=device, rounds=2, data={"rotations": [0, 90], "mixture": True},
+                       dfca={"flood_rounds": 1, "seed_epochs": 1, "warmup_rounds": 1, "warmup_gossip_steps": 2})
+    result = simulate(cfg)
+    want = torch.device(device).type
+    assert result.summary["device"].startswith(want)
+    state = result.algorithm.state()
+    assert state and all(t.device.type == want for t in state.values())
+    assert result.history[-1]["test_accuracy"] > 0.1  # it trained there (chance is 0.1)
+
+
+def run_worker(cfg_device: str, env_device: str | None, tmp_path: Path) -> tuple[ClientRunner, list[Any]]:
+    cfg = small_config(device=cfg_device, rounds=2, dfca={"variant": "paper"}, runtime={"round_timeout": 5.0})
+    graph = neighbours(build_graph(cfg.topology, cfg.data.clients, cfg.seed))
+    events: list[RoundReport | WorkerEvent] = []
+    spec = RunSpec("d", "dev", cfg, workers=1, ordinal=0, neighbours=graph, go=True, device=env_device)
+    broker = InMemoryBroker()
+    runner = ClientRunner(spec, lambda _prefetch: InMemoryTransport(broker), events.append, tmp_path)
+    runner.start()
+    runner.join(120)
+    assert runner.finished
+    return runner, events
+
+
+def test_dfca_device_places_a_workers_clients(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    no_gpu(monkeypatch)
+    runner, events = run_worker("cuda", "cpu", tmp_path / "a")  # DFCA_DEVICE=cpu overrides the config
+    assert runner.status.state == "finished" and runner.driver is not None
+    assert runner.device == runner.driver.algorithm.ctx.device == torch.device("cpu")
+    assert all(t.device.type == "cpu" for t in runner.driver.algorithm.state().values())
+    failed, events = run_worker("cpu", "cuda", tmp_path / "b")  # a GPU worker image on a machine without one
+    assert failed.status.state == "failed" and "DFCA_DEVICE: cuda" in failed.status.detail
+    assert events[-1].state == "failed" and "no CUDA device" in events[-1].detail  # type: ignore[union-attr]
+
+
+def test_payloads_cross_the_wire_as_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """encode_message moves every tensor to the CPU before safetensors sees it (a CUDA tensor would not save)."""
+    from dfca.wire import Envelope, TensorSpec, encode_message
+
+    moved: list[str] = []
+    original = torch.Tensor.to
+
+    def spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args and args[0] == "cpu":
+            moved.append("cpu")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    encode_message(Envelope("e", 0, 0, "models", 0, 0, {"w": torch.ones(2)}), {"w": TensorSpec((2,))})
+    assert moved == ["cpu"]

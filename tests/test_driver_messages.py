@@ -1,0 +1,211 @@
+"""The message driver on concurrent hosts: gossip steps held, duplicated, stale, malformed or timed out; and the
+running average's memory bound (a client folds each model as it arrives, whatever its degree)."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from lockstep import LockstepRun, client_driver, lockstep_round
+from test_driver_equivalence import small_config
+
+from dfca import topics
+from dfca.config import ExperimentConfig
+from dfca.graph import neighbours
+from dfca.runtime import message_driver
+from dfca.runtime.message_driver import MessageDriver
+from dfca.schedule import RoundSchedule
+from dfca.simulator import prepare, simulate
+from dfca.transport import InMemoryBroker, InMemoryTransport
+from dfca.wire import Envelope, Spec, TensorSpec, encode_message
+
+
+def robust_config(rounds: int = 3) -> ExperimentConfig:
+    return small_config(rounds=rounds, dfca={"variant": "robust", "seeding": "none", "warmup_rounds": 2,
+                                             "warmup_gossip_steps": 3, "gossip_steps": 2})
+
+
+def build_drivers(cfg: ExperimentConfig, broker: InMemoryBroker, count: int) -> tuple[list[MessageDriver], Any]:
+    ctx = prepare(cfg)
+    graph = neighbours(ctx.graph)
+    n = ctx.data.num_clients
+    groups = [list(range(h, n, count)) for h in range(count)]
+    return [client_driver(cfg, "robust", g, ctx.data.subset(g), graph, InMemoryTransport(broker)) for g in groups], ctx
+
+
+def gossip(sender: int, k: int, shapes: dict[str, tuple[int, ...]], fill: float) -> tuple[Envelope, Spec]:
+    spec = {**{f"num.{n}": TensorSpec((k, *s)) for n, s in shapes.items()}, "den": TensorSpec((k,), "float32")}
+    tensors = {name: torch.full(s.shape, fill) for name, s in spec.items()}
+    tensors["den"] = torch.ones(k)
+    return Envelope("robust", sender, 0, "gossip", 0, 0, tensors), spec
+
+
+def test_threaded_drivers_with_noise_match_the_simulator() -> None:
+    """Each driver runs its rounds in its own thread (as a worker does); a spoofed, a non-finite and a duplicated
+    gossip message are injected. The result is still the simulator's."""
+    cfg = robust_config()
+    broker = InMemoryBroker()
+    drivers, ctx = build_drivers(cfg, broker, 3)
+    sim = simulate(cfg, data=ctx.data)
+    injector = InMemoryTransport(broker)
+    sender = drivers[0].ids[0]
+    shapes = ctx.model.shapes()
+    k = cfg.clusters
+    junk, spec = gossip(sender, k, shapes, 0.0)
+    body, headers = encode_message(junk, spec)
+    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", sender + 1, 0), body, headers)  # spoofed
+    nan, _ = gossip(sender, k, shapes, float("nan"))
+    body, headers = encode_message(nan, spec)
+    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", sender, 0), body, headers)
+    errors: list[BaseException] = []
+
+    def run(driver: MessageDriver) -> None:
+        try:
+            for t in range(cfg.rounds):
+                if not driver.run_round(t, timeout=30.0):
+                    raise RuntimeError(f"round {t} incomplete")
+        except BaseException as err:  # noqa: BLE001 - surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(d,)) for d in drivers]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors and not any(th.is_alive() for th in threads)
+    rejected = sum((d.stats.rejected for d in drivers), start=Counter())
+    receivers = sum(1 for d in drivers for c in d.ids if sender in d.neighbours[c])
+    receivers_spoof = sum(1 for d in drivers for c in d.ids if sender + 1 in d.neighbours[c])
+    assert rejected["non_finite"] == receivers and rejected["spoofed"] == receivers_spoof
+    steps = sum(RoundSchedule(cfg).gossip_steps(t) for t in range(cfg.rounds))
+    assert sum(d.stats.applied for d in drivers) == steps * int(ctx.adjacency.sum())
+    for d in drivers:
+        assert d.stats.timeouts == 0
+        for name, tensor in d.algorithm.params.items():  # type: ignore[attr-defined]
+            torch.testing.assert_close(tensor, sim.algorithm.params[name][d.ids], rtol=1e-4, atol=1e-5)
+
+
+def test_duplicate_and_stale_gossip_messages_are_not_mixed_twice() -> None:
+    cfg = robust_config(rounds=1)
+    broker = InMemoryBroker()
+    (a, b), _ = build_drivers(cfg, broker, 2)
+    row, client = next((r, c) for r, c in enumerate(a.ids) if any(m in b.ids for m in a.neighbours[c]))
+    peer = next(m for m in a.neighbours[client] if m in b.ids)
+    for d in (a, b):
+        d.begin_round(0)
+        d.start_exchange(0)
+    # b's step-0 messages delivered twice: a copy of a message in a's queue is published again
+    queue = a.queues[row]
+    first = []
+    while (msg := a.transport.receive(queue, 0.0)) is not None:
+        first.append(msg)
+        a.handle(row, msg)
+    peer_msg = next(m for m in first if m.routing_key == topics.model_key("robust", peer, 0))
+    applied = a.stats.applied
+    a.transport.publish(topics.MODELS_EXCHANGE, peer_msg.routing_key, peer_msg.body, peer_msg.headers)
+    while (msg := a.transport.receive(queue, 0.0)) is not None:
+        a.handle(row, msg)
+    assert a.stats.duplicates == 1 and a.stats.applied == applied
+    for d in (a, b):
+        assert d.collect(5.0)
+        d.end_exchange()
+    # a step-0 message arriving after step 0 closed is dropped, not mixed into step 1
+    a.seen.clear()
+    a.transport.publish(topics.MODELS_EXCHANGE, peer_msg.routing_key, peer_msg.body, peer_msg.headers)
+    a.start_exchange(1)
+    while (msg := a.transport.receive(queue, 0.0)) is not None:
+        if msg.headers.get("step") == "0":
+            a.handle(row, msg)
+    assert a.stats.stale_dropped == 1
+
+
+def test_gossip_step_times_out_without_a_neighbour() -> None:
+    """A driver whose neighbours never gossip: each step times out, den stays m, theta keeps its own copy."""
+    cfg = robust_config(rounds=1)
+    broker = InMemoryBroker()
+    (a, _), _ = build_drivers(cfg, broker, 2)
+    a.begin_round(0)
+    trained = {n: v.clone() for n, v in a.algorithm.params.items()}  # type: ignore[attr-defined]
+    complete = True
+    for index in range(len(a.exchanges)):
+        a.start_exchange(index)
+        complete &= a.collect(timeout=0.2)
+        a.end_exchange()
+    a.end_round()
+    assert complete is False
+    assert a.stats.timeouts == RoundSchedule(cfg).gossip_steps(0)
+    lonely = [r for r, c in enumerate(a.ids) if not any(m in a.ids for m in a.neighbours[c])]
+    assert lonely and all(set(a.neighbours[a.ids[r]]) <= a.missed for r in lonely)
+    for r in lonely:  # nothing arrived: num/den = theta for the trained cluster, the rest keep their copy
+        for n in trained:
+            torch.testing.assert_close(a.algorithm.params[n][r], trained[n][r])  # type: ignore[attr-defined]
+
+
+def test_a_message_of_an_exchange_its_round_does_not_have_is_rejected() -> None:
+    cfg = small_config(dfca={"variant": "paper"})
+    broker = InMemoryBroker()
+    (a, b), _ = build_drivers(cfg, broker, 2)
+    row, client = next((r, c) for r, c in enumerate(a.ids) if any(m in b.ids for m in a.neighbours[c]))
+    peer = next(m for m in a.neighbours[client] if m in b.ids)
+    shapes = a.algorithm.ctx.model.shapes()
+    spec = {n: TensorSpec(s) for n, s in shapes.items()}
+    forged = Envelope("robust", peer, 0, "gossip", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
+    body, headers = encode_message(forged, spec)  # a paper-rule round has no gossip step
+    injector = InMemoryTransport(broker)
+    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", peer, 0), body, headers)
+    future = Envelope("robust", peer, 99, "models", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
+    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", peer, 0), *encode_message(future, spec))
+    a.begin_round(0)
+    a.start_exchange(0)
+    while (msg := a.transport.receive(a.queues[row], 0.0)) is not None:
+        a.handle(row, msg)
+    assert a.stats.rejected == Counter({"exchange": 1, "round": 1}) and a.stats.applied == 0
+
+
+# -- the running average's memory bound ----------------------------------------------------------------------
+def peak_decoded_models(degree: int, aggregation: str, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """A star: client 0 hears `degree` neighbours in one paper-rule round. Returns the most decoded models alive
+    at once at client 0's driver, and the numbers in client 0's state."""
+    cfg = small_config(aggregation=aggregation, rounds=1, dfca={"variant": "paper"},
+                       data={"clients": degree + 1, "train_per_client": 5, "test_per_client": 2},
+                       train={"local_epochs": 0})
+    ctx = prepare(cfg)
+    graph = {0: list(range(1, degree + 1)), **{c: [0] for c in range(1, degree + 1)}}
+    broker = InMemoryBroker()
+    centre = client_driver(cfg, "star", [0], ctx.data.subset([0]), graph, InMemoryTransport(broker))
+    others = list(range(1, degree + 1))
+    rest = client_driver(cfg, "star", others, ctx.data.subset(others), graph, InMemoryTransport(broker))
+    alive: list[weakref.ref[torch.Tensor]] = []
+    peak = 0
+    decode = message_driver.decode_message
+
+    def counting(*args: Any, **kwargs: Any) -> Envelope:
+        nonlocal peak
+        envelope = decode(*args, **kwargs)
+        if envelope.sender != 0:
+            alive[:] = [r for r in alive if r() is not None]
+            alive.append(weakref.ref(envelope.tensors["w1"]))
+            peak = max(peak, len(alive))
+        return envelope
+
+    monkeypatch.setattr(message_driver, "decode_message", counting)
+    lockstep_round(LockstepRun([rest, centre], None), 0)
+    assert centre.stats.applied == degree
+    state = sum(t.numel() for t in centre.algorithm.state().values())
+    return peak, state
+
+
+def test_a_client_with_50_neighbours_holds_no_more_model_copies_than_one_with_2(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sequential aggregation folds each arriving model at once (eq. 8): one decoded model at a time, and the same
+    k models of state, for 2 neighbours or 50. Batch aggregation (eq. 7) holds the round's models: 50."""
+    few, few_state = peak_decoded_models(2, "sequential", monkeypatch)
+    many, many_state = peak_decoded_models(50, "sequential", monkeypatch)
+    assert few == many == 1 and few_state == many_state
+    held, _ = peak_decoded_models(50, "batch", monkeypatch)
+    assert held == 50
