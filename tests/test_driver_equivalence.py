@@ -10,14 +10,15 @@ import pytest
 import torch
 from lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
 
+from dfca import topics
 from dfca.algorithms import CLIENTS
-from dfca.config import ExperimentConfig
+from dfca.config import KMEANS_ALGORITHMS, ExperimentConfig
 from dfca.evaluation import cluster_ari, populated_clusters
 from dfca.graph import neighbours
 from dfca.runtime.experiments import RUNTIME_ALGORITHMS
 from dfca.schedule import RoundSchedule
 from dfca.simulator import Simulation, prepare, simulate
-from dfca.transport import InMemoryBroker, InMemoryTransport
+from dfca.transport import InMemoryBroker, InMemoryTransport, RabbitMQTransport
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here"))]
 
@@ -35,6 +36,16 @@ def small_config(**overrides: Any) -> ExperimentConfig:
     for key, value in overrides.items():
         base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
     return ExperimentConfig.model_validate(base)
+
+
+def config_for(algorithm: str) -> ExperimentConfig:
+    """A small run of `algorithm`: rotated digits with mixtures (the k-means algorithms: blobs), seeding and gossip
+    steps short."""
+    if algorithm in KMEANS_ALGORITHMS:
+        return small_config(algorithm=algorithm, clusters=3, rounds=3, data={"dataset": "blobs",
+                                                                             "train_per_client": 20})
+    return small_config(algorithm=algorithm, rounds=2, data={"rotations": [0, 90], "mixture": True},
+                        dfca={"flood_rounds": 2, "seed_epochs": 1, "warmup_rounds": 1, "warmup_gossip_steps": 2})
 
 
 def transport_factory() -> Any:
@@ -55,8 +66,7 @@ def test_every_algorithm_the_schema_accepts_runs_the_same_on_both_drivers(algori
     """Registered (dfca.algorithms), accepted by the runtime, and two rounds on the message drivers end where the
     simulator ends: an algorithm added to the schema is held to this without a test of its own."""
     assert algorithm in CLIENTS and algorithm in RUNTIME_ALGORITHMS
-    cfg = small_config(algorithm=algorithm, rounds=2, data={"rotations": [0, 90], "mixture": True},
-                       dfca={"flood_rounds": 2, "seed_epochs": 1, "warmup_rounds": 1, "warmup_gossip_steps": 2})
+    cfg = config_for(algorithm)
     ctx = prepare(cfg)
     sim = simulate(cfg, data=ctx.data)
     run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 3)
@@ -259,3 +269,36 @@ def test_a_checkpoint_taken_mid_seeding_resumes_to_the_same_seeds(tmp_path: Path
         lockstep_round(again, t)
     for d in again.drivers:
         assert_rows_match(d.algorithm.params, sim.algorithm.params, d.ids)
+
+
+# -- over RabbitMQ ------------------------------------------------------------------------------------------
+@pytest.mark.rabbitmq
+@pytest.mark.parametrize("algorithm", SCHEMA_ALGORITHMS)
+def test_every_algorithm_over_rabbitmq_ends_where_the_simulator_ends(algorithm: str, rabbitmq_url: str,
+                                                                     unique_id: str) -> None:
+    """The same lockstep drivers over a real broker (durable queues, confirms, manual acks): the simulator's result,
+    seeding and consensus included."""
+    cfg = config_for(algorithm)
+    ctx = prepare(cfg)
+    sim = simulate(cfg, data=ctx.data)
+    connections: list[RabbitMQTransport] = []
+
+    def connect() -> RabbitMQTransport:
+        connections.append(RabbitMQTransport(rabbitmq_url, name=f"test-{unique_id}"))
+        return connections[-1]
+
+    try:
+        run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), connect, 2, experiment=unique_id)
+        for d in run.drivers:
+            assert not d.stats.rejected and d.stats.timeouts == 0
+            for name, tensor in d.algorithm.state().items():
+                if name.startswith("params."):
+                    torch.testing.assert_close(tensor, sim.algorithm.state()[name][d.ids], rtol=1e-4, atol=1e-5)
+        assert (sum(d.stats.published for d in run.everyone) > 0) == (algorithm != "local")  # it went over the broker
+    finally:
+        cleanup = connections[0] if connections else None
+        for queue in [topics.server_queue(unique_id), *(topics.client_queue(unique_id, c) for c in range(10))]:
+            if cleanup is not None:
+                cleanup.delete_queue(queue)
+        for c in connections:
+            c.close()

@@ -143,3 +143,20 @@ def test_local_sends_nothing(stack: Stack) -> None:
     assert final["status"] == "completed" and summary["clients"] == 24, final
     assert summary["messages"]["published"] == 0 and summary["bytes_sent_per_client_per_round"] == 0
     assert summary["test_accuracy"] >= 0.5, summary
+
+
+@pytest.mark.parametrize("algorithm", ["fedkmeans", "distkmeans"])
+def test_k_means_over_rest_reports_gcd_and_cv_as_the_simulator_does(stack: Stack, algorithm: str) -> None:
+    """Centroids travel over RabbitMQ like models; the metrics service computes eq. (12)'s GCD and CV from the
+    workers' reports, as the simulator does, per round and in the summary."""
+    cfg = {"name": algorithm, "algorithm": algorithm, "clusters": 3, "rounds": 12, "seed": 1,
+           "data": {"dataset": "blobs", "clients": 12, "train_per_client": 80, "test_per_client": 20},
+           "topology": {"kind": "erdos_renyi", "p": 0.5}, "runtime": {"round_timeout": 30.0}}
+    experiment, final, summary = run(stack, cfg)
+    assert final["status"] == "completed" and summary["clients"] == 12, final
+    sim = simulate(ExperimentConfig.model_validate(cfg)).summary
+    for key in ("gcd", "cv", "point_ari", "objective"):
+        assert summary[key] == pytest.approx(sim[key], rel=1e-3, abs=1e-6), (key, summary[key], sim[key])
+    assert summary["messages"]["timeouts"] == 0 and summary["messages"]["rejected_total"] == 0
+    history = Api.of(stack).metrics.get(f"/experiments/{experiment}/metrics").json()["history"]
+    assert len(history) == 12 and all("gcd" in h and "cv" in h for h in history)

@@ -42,8 +42,12 @@ def results_table(summary: dict[str, Any]) -> Table:
     table = Table(title=f"{summary['name']}: {summary['algorithm']} ({summary['clients']} clients)")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in ("test_accuracy", "cluster_ari", "cluster_acc", "populated_clusters", "rounds",
-                "seconds_per_round", "wall_seconds"):
+    keys = ("test_accuracy", "cluster_ari", "cluster_acc", "populated_clusters", "rounds", "seconds_per_round",
+            "wall_seconds")
+    if "gcd" in summary:  # a k-means run clusters points: its own metrics first
+        keys = ("gcd", "cv", "point_ari", "objective", "centralised_loss", "test_accuracy", "rounds",
+                "seconds_per_round", "wall_seconds")
+    for key in keys:
         value = summary[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     return table
@@ -81,7 +85,7 @@ def run(
             for warning in record.get("warnings", []):
                 progress.console.print(f"[yellow]warning:[/] {warning}")
             progress.update(task, completed=record["round"],
-                            status=f"acc {record['test_accuracy']:.3f} ARI {record['ari']:.2f}")
+                            status=round_status(record))
 
         try:
             result = simulate(cfg, on_round=on_round)
@@ -92,11 +96,12 @@ def run(
             log.close()
     write_summary(out, result.summary, cfg)
     save_models(out, result.final_models, result.assigned.tolist())
-    plot_history(out, result.history, cfg.name, RoundSchedule(cfg).seeding_rounds)
+    plots = plot_history(out, result.history, cfg.name, RoundSchedule(cfg).seeding_rounds)
     Console().print(results_table(result.summary))
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
-    console.print(f"wrote {out}/summary.json, metrics.jsonl, models/, accuracy.png, ari.png")
+    console.print(f"wrote {out}/summary.json, config.json, metrics.jsonl, models/, "
+                  + ", ".join(p.name for p in plots))
 
 
 @app.command("validate")
@@ -170,14 +175,20 @@ def up(
     raise typer.Exit(run_stack(options))
 
 
+def round_status(record: dict[str, Any]) -> str:
+    if "gcd" in record:  # k-means: how far the nodes are from the centralised solution and from each other
+        return f"GCD {record['gcd']:.2e} CV {record['cv']:.2e}"
+    return f"acc {record['test_accuracy']:.3f} ARI {record['ari']:.2f}"
+
+
+def seeding_note(cfg: ExperimentConfig) -> str:
+    seeding = RoundSchedule(cfg).seeding_rounds
+    return f" after {seeding} rounds of farthest-first seeding (dfca.seeding)" if seeding else ""
+
+
 def main() -> None:
     app()
 
 
 if __name__ == "__main__":
     main()
-
-
-def seeding_note(cfg: ExperimentConfig) -> str:
-    seeding = RoundSchedule(cfg).seeding_rounds
-    return f" after {seeding} rounds of farthest-first seeding (dfca.seeding)" if seeding else ""

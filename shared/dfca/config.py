@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-ALGORITHMS = ("dfca", "ifca", "dfedavgm", "fedspd", "local")
+AlgorithmName = Literal["dfca", "ifca", "dfedavgm", "fedspd", "local", "fedkmeans", "distkmeans"]
+ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
+KMEANS_ALGORITHMS = ("fedkmeans", "distkmeans")  # they cluster feature vectors, not clients
 
 
 class Strict(BaseModel):
@@ -16,7 +18,9 @@ class Strict(BaseModel):
 
 
 class DataConfig(Strict):
-    dataset: Literal["mnist-bundled", "mnist", "emnist", "femnist", "cifar10", "digits"] = "mnist-bundled"
+    dataset: Literal["mnist-bundled", "mnist", "emnist", "femnist", "cifar10", "digits", "blobs"] = Field(
+        "mnist-bundled", description="blobs: the k-means papers' Gaussian blobs in R^feature_dim (data.features)"
+    )
     root: str | None = Field(None, description="folder with local dataset files (not needed for mnist-bundled)")
     rotations: list[int] = Field(default_factory=lambda: [0, 90, 180, 270], min_length=1)
     clients: int = Field(40, ge=2, le=100_000)
@@ -27,6 +31,13 @@ class DataConfig(Strict):
     )
     mixture: bool = Field(False, description="FedSPD B.1.1: each client mixes two distributions, 10%-90%")
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of the images held out for testing")
+    geometry: Literal["isotropic", "heterogeneous", "anisotropic"] = Field(
+        "isotropic", description="blobs: std 1; stds 1.0, 2.5, 0.5; or isotropic mapped by A (dfca.data.features)"
+    )
+    features: Literal["none", "projection"] = Field(
+        "none", description="projection: every image becomes its fixed random projection to R^feature_dim"
+    )
+    feature_dim: int = Field(2, ge=1, le=4096, description="blobs and projection: the dimension d of a point")
 
 
 class ModelConfig(Strict):
@@ -115,6 +126,28 @@ class FedSPDConfig(Strict):
     )
 
 
+class FedKMeansConfig(Strict):
+    """Federated k-means over networks (Yang, Rastelli and Jung, Algorithm 1; see algorithms.fedkmeans)."""
+
+    alpha: float = Field(1.0, ge=0.0, le=1e6, description="GTV penalty of (7); 0 is local k-means")
+    selection: Literal["parallel", "random", "round_robin"] = Field(
+        "parallel", description="which nodes update per iteration: all (Jacobi, the paper's method), or one (step 3)"
+    )
+    e3: bool = Field(True, description="the assignment step (E3), component II of (8)")
+    data_weight: Literal["one", "mean"] = Field(
+        "one", description="a point's weight in (8): one = 1 as in (6), (7), (9); mean = 1/m_i as (8) and (11) print "
+        "(alpha then weighs a neighbour centroid like a whole local dataset; see algorithms.fedkmeans)",
+    )
+    passes: int = Field(20, ge=1, le=10_000, description="cap of (E1)-(E3), (M) passes per update")
+    tol: float = Field(1e-6, ge=0.0, lt=1.0, description="stop the passes when (8) falls by less than this (relative)")
+
+
+class DistKMeansConfig(Strict):
+    """Distributed k-means (Forero, Cano and Giannakis 2011), the federated k-means paper's baseline."""
+
+    eta: float = Field(2.0, gt=0.0, le=1e6, description="the primal-dual step; the paper uses 2")
+
+
 class RuntimeConfig(Strict):
     """Settings of the distributed runtime (`staleness` also decides what the simulator does with late messages)."""
 
@@ -129,7 +162,7 @@ class RuntimeConfig(Strict):
 
 class ExperimentConfig(Strict):
     name: str = "experiment"
-    algorithm: Literal["dfca", "ifca", "dfedavgm", "fedspd", "local"] = "dfca"
+    algorithm: AlgorithmName = "dfca"
     init: Literal["global", "local"] = "global"
     aggregation: Literal["sequential", "batch"] = "sequential"
     clusters: int = Field(4, ge=1, le=64)
@@ -149,6 +182,8 @@ class ExperimentConfig(Strict):
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     dfca: DFCAConfig = Field(default_factory=DFCAConfig)
     fedspd: FedSPDConfig = Field(default_factory=FedSPDConfig)
+    fedkmeans: FedKMeansConfig = Field(default_factory=FedKMeansConfig)
+    distkmeans: DistKMeansConfig = Field(default_factory=DistKMeansConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
     @model_validator(mode="after")
@@ -159,7 +194,27 @@ class ExperimentConfig(Strict):
             raise ValueError(f"data.clients ({self.data.clients}) must be at least clusters ({self.clusters})")
         if self.topology.kind == "barabasi_albert" and self.topology.m >= self.data.clients:
             raise ValueError("topology.m must be smaller than data.clients")
+        self._check_feature_vectors()
         return self
+
+    def _check_feature_vectors(self) -> None:
+        kmeans, data = self.algorithm in KMEANS_ALGORITHMS, self.data
+        vectors = data.dataset == "blobs" or data.features == "projection"
+        if kmeans and not vectors:
+            raise ValueError(f"algorithm: {self.algorithm} clusters feature vectors; data.dataset {data.dataset!r} "
+                             "holds images: use data.dataset: blobs, or data.features: projection")
+        if data.dataset == "blobs" and not kmeans:
+            raise ValueError(f"data.dataset: blobs holds unlabelled points for {' and '.join(KMEANS_ALGORITHMS)}, "
+                             f"not for algorithm {self.algorithm}")
+        if data.dataset == "blobs" and data.features == "projection":
+            raise ValueError("data.features: projection maps images; data.dataset: blobs are vectors already")
+        if kmeans and self.clusters > data.train_per_client:
+            raise ValueError(f"clusters: k={self.clusters} centroids need at least k points per node, but "
+                             f"data.train_per_client is {data.train_per_client}")
+        if data.geometry == "anisotropic" and data.feature_dim != 2:
+            raise ValueError("data.geometry: anisotropic maps R^2 by a fixed 2x2 matrix; set data.feature_dim: 2")
+        if vectors and self.model.kind == "cnn":
+            raise ValueError("model.kind: cnn needs images; feature vectors need mlp")
 
 
 class ConfigError(ValueError):

@@ -48,18 +48,27 @@ def save_models(out: Path, models: dict[str, Params], assigned: Sequence[int]) -
     (folder / "assignments.json").write_text(json.dumps({"assigned": list(map(int, assigned))}) + "\n")
 
 
+PLOTS = (  # key, label, file, log scale
+    ("test_accuracy", "test accuracy", "accuracy.png", False),
+    ("ari", "cluster ARI", "ari.png", False),
+    ("populated_clusters", "populated clusters", "clusters.png", False),
+)
+KMEANS_PLOTS = (
+    ("gcd", "global centroid deviation (GCD, eq. 12)", "gcd.png", True),
+    ("cv", "consensus variation (CV, eq. 12)", "cv.png", True),
+    ("test_accuracy", "clustering accuracy on held-out points", "accuracy.png", False),
+)
+
+
 def plot_history(out: Path, history: list[dict[str, Any]], title: str, seeding_rounds: int = 0) -> list[Path]:
-    """accuracy.png and ari.png against rounds, plus clusters.png (populated clusters).
+    """accuracy.png and ari.png against rounds, plus clusters.png (populated clusters); for a k-means run gcd.png
+    and cv.png (log scale) and accuracy.png.
 
     Robust DFCA's seeding rounds (no training) are shaded.
     """
     rounds = [h["round"] for h in history]
     paths = []
-    for key, label, fname in (
-        ("test_accuracy", "test accuracy", "accuracy.png"),
-        ("ari", "cluster ARI", "ari.png"),
-        ("populated_clusters", "populated clusters", "clusters.png"),
-    ):
+    for key, label, fname, log_scale in KMEANS_PLOTS if history and "gcd" in history[0] else PLOTS:
         fig, ax = plt.subplots(figsize=(6, 4))
         if seeding_rounds:
             ax.axvspan(0, seeding_rounds, color="0.9", label="seeding (no training)")
@@ -69,7 +78,9 @@ def plot_history(out: Path, history: list[dict[str, Any]], title: str, seeding_r
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(label)
         ax.set_title(f"{title}: {label}")
-        if key != "populated_clusters":
+        if log_scale:
+            ax.set_yscale("log")
+        elif key != "populated_clusters":
             ax.set_ylim(min(0.0, min(h[key] for h in history)), 1.02)
         ax.grid(alpha=0.3)
         fig.tight_layout()

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from dfca.algorithms import Algorithm, Exchange, HostContext, Inbox, Outbox, clients_of, server_of
-from dfca.algorithms.base import SERVER
+from dfca.algorithms.base import SERVER, Evaluation, report_of
 from dfca.algorithms.dfca import warn_if_flood_too_short
 from dfca.collapse import CollapseWatch
 from dfca.config import ExperimentConfig
@@ -156,6 +156,12 @@ class Simulation:
             return arrived.to(self.ctx.device)[out.row].unsqueeze(0)
         return mask[:, out.row]
 
+    def run_metrics(self, ev: Evaluation) -> dict[str, float]:
+        """The algorithm's metrics over every client (`Algorithm.run_metrics`), as the metrics service computes them."""
+        ctx = self.ctx
+        report = report_of(ev, list(range(ctx.n)), ctx.data.true_cluster)
+        return type(self.algorithm).run_metrics(ctx.cfg, report, lambda: ctx.data, neighbours(ctx.graph))
+
     def senders(self, ex: Exchange, out: Outbox) -> Tensor:
         return torch.full_like(out.row, SERVER) if ex.sender == "server" else out.row
 
@@ -204,6 +210,7 @@ def round_record(sim: Simulation, t: int, sample: torch.Generator) -> dict[str, 
     if ev.cluster_params is not None:
         record["disagreement"] = disagreement(ev.cluster_params)
         record["index_consistency"] = index_consistency(ev.cluster_params, sampled_edges(sim.ctx.adjacency, sample))
+    record.update(sim.run_metrics(ev))
     return record
 
 
@@ -238,7 +245,7 @@ def simulate(
             record = round_record(sim, t, sample)
             record["seconds"] = time.perf_counter() - t0
             record["phase"] = schedule.phase(t)
-            record["warnings"] = watch.observe(record)
+            record["warnings"] = watch.observe(record) if sim.algorithm.clusters_clients else []
             history.append(record)
             if on_round is not None:
                 on_round(record)
@@ -247,6 +254,7 @@ def simulate(
     summary = build_summary(cfg, history, final.test_accuracy.cpu(), final.assigned.cpu(), truth,
                             time.perf_counter() - start, watch.warnings)
     summary["device"] = str(sim.ctx.device)
+    summary.update(sim.run_metrics(final))
     models = (sim.server or sim.algorithm).final_models()
     return RunResult(history, summary, models, final.assigned.cpu(), sim.ctx.graph, sim, watch.warnings)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dfca.algorithms.base import Algorithm, Evaluation, Exchange, HostContext, Inbox, Outbox
 from dfca.algorithms.dfca import DFCA
 from dfca.algorithms.dfedavgm import DFedAvgM, LocalOnly
+from dfca.algorithms.fedkmeans import DistKMeans, FedKMeans
 from dfca.algorithms.fedspd import FedSPD
 from dfca.algorithms.ifca import IFCA, IFCAServer
 
@@ -18,6 +19,8 @@ CLIENTS: dict[str, type[Algorithm]] = {
     "dfedavgm": DFedAvgM,
     "fedspd": FedSPD,
     "local": LocalOnly,
+    "fedkmeans": FedKMeans,
+    "distkmeans": DistKMeans,
 }
 SERVERS: dict[str, type[Algorithm]] = {"ifca": IFCAServer}  # central roles (the aggregator runs them)
 

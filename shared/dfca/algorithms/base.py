@@ -19,7 +19,7 @@ is a cluster index (0 where there is one model); its tensors are checked against
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -66,7 +66,8 @@ class Exchange:
 class LazyTensors(Mapping[str, Tensor]):
     """Tensors computed on first access: what a row sends when only a driver that encodes needs it."""
 
-    def __init__(self, names: list[str], make: Any, ready: Mapping[str, Tensor] | None = None) -> None:
+    def __init__(self, names: list[str], make: Callable[[], Mapping[str, Tensor]],
+                 ready: Mapping[str, Tensor] | None = None) -> None:
         self._names, self._make, self._made = names, make, dict(ready or {})
 
     def __getitem__(self, name: str) -> Tensor:
@@ -131,10 +132,6 @@ class HostContext:
     whole: bool = False  # every client is hosted and each exchange is delivered at once (the simulator)
 
     @property
-    def schedule(self) -> RoundSchedule:
-        return RoundSchedule(self.cfg)
-
-    @property
     def rows(self) -> Tensor:
         return torch.tensor(self.clients, dtype=torch.long, device=self.device)
 
@@ -144,11 +141,12 @@ class Algorithm(ABC):
 
     side: ClassVar[Side] = "clients"
     links: ClassVar[frozenset[str]] = frozenset()  # whom the clients hear: "neighbours", "server"
+    clusters_clients: ClassVar[bool] = True  # it assigns clients to clusters (k-means clusters their points)
     k: int = 1  # models per client; a message's part lies in 0..k-1
 
     def __init__(self, ctx: HostContext) -> None:
         self.ctx = ctx
-        self.schedule = ctx.schedule
+        self.schedule = RoundSchedule(ctx.cfg)
 
     @abstractmethod
     def exchanges(self, t: int) -> list[Exchange]:
@@ -192,6 +190,15 @@ class Algorithm(ABC):
         """The communication graph changed (FedSPD's dynamic network)."""
         self.ctx.graph = graph
 
+    @classmethod
+    def run_metrics(cls, cfg: ExperimentConfig, report: Mapping[str, list[Any]], data: Callable[[], FederatedData],
+                    graph: Graph) -> dict[str, float]:
+        """Metrics over every client's report (`report_of`), beyond the accuracy and ARI every run reports.
+
+        The simulator and the metrics service both call it; `data` builds every client's shards when needed.
+        """
+        return {}
+
     # -- helpers the algorithms share ----------------------------------------------------------------
     def model_spec(self, lead: tuple[int, ...] = (), prefix: str = "") -> dict[str, TensorSpec]:
         return {prefix + n: TensorSpec((*lead, *s)) for n, s in self.ctx.model.shapes().items()}
@@ -210,6 +217,12 @@ class Algorithm(ABC):
         acc = accuracy_with(self.ctx.model, params, assigned, d.x_test, d.y_test)
         loss = losses.gather(1, assigned.unsqueeze(1)).squeeze(1)
         return Evaluation(assigned, acc, loss, params if keeps_k else None)
+
+
+def report_of(ev: Evaluation, clients: list[int], true_cluster: Tensor) -> dict[str, list[Any]]:
+    """An evaluation as a round report carries it: per-client lists, the algorithm's extras included."""
+    return {"clients": list(clients), "assigned": ev.assigned.tolist(), "test_accuracy": ev.test_accuracy.tolist(),
+            "train_loss": ev.train_loss.tolist(), "true_cluster": true_cluster.tolist(), **ev.extra}
 
 
 def state_of(params: Params, **extra: Tensor) -> dict[str, Tensor]:

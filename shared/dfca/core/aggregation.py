@@ -56,16 +56,21 @@ def fold_models(params: Params, weight: Tensor, arrivals: Tensor, cluster: Tenso
         cols = _columns(cluster == j)
         a = arrivals[:, cols]
         got = a.sum(1)
-        rows = (got > 0).nonzero().squeeze(1)
+        moved = got > 0
+        rows = moved.nonzero().squeeze(1)
         if rows.numel() == 0:
             continue
-        total = weight[rows, j] + got[rows]
-        own, coef = (weight[rows, j] / total).unsqueeze(1), a[rows] / total.unsqueeze(1)
+        total = torch.where(moved, weight[:, j] + got, 1.0)
+        own = torch.where(moved, weight[:, j] / total, 1.0).unsqueeze(1)  # 1 and 0: a row that got nothing stays
+        coef = a / total.unsqueeze(1)
+        every_row = rows.numel() * 2 >= M  # in place on the whole view; else only the rows that moved
+        if not every_row:
+            own, coef = own[rows], coef[rows]
         for name, view in zip(params, cluster_views(params, j), strict=True):
             src = sources[name][cols].reshape(coef.shape[1], -1).to(view.dtype)
             if src.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
                 src = src.clone()  # the sources are views of the copies updated in place below
-            if rows.numel() == M:
+            if every_row:
                 view.mul_(own).addmm_(coef, src)
             else:
                 view.index_copy_(0, rows, torch.addmm(view.index_select(0, rows) * own, coef, src))

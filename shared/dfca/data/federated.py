@@ -39,13 +39,13 @@ FileNotFoundError naming the files expected in the folder `data.root`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from dfca.config import DataConfig, ExperimentConfig
+from dfca.data import features
 from dfca.data.bundled import BUNDLED_MNIST_CLASSES, DIGITS_CLASSES, load_digits, load_mnist_bundled
 from dfca.data.cifar10 import load_cifar10
 from dfca.data.femnist import load_femnist
@@ -62,75 +62,9 @@ from dfca.data.partition import (
 )
 from dfca.data.pool import ImagePool, PooledSource, WriterSource
 from dfca.data.rotation import cluster_rotations, rotate_by_distribution
+from dfca.data.shards import FederatedData
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class FederatedData:
-    """Per-client tensors; client i's train set is (x_train[i], y_train[i])."""
-
-    x_train: torch.Tensor  # [N, n_train, C, H, W] float32 in [0, 1]
-    y_train: torch.Tensor  # [N, n_train] int64
-    x_test: torch.Tensor  # [N, n_test, C, H, W] float32 in [0, 1]
-    y_test: torch.Tensor  # [N, n_test] int64
-    true_cluster: torch.Tensor  # [N] int64: the client's distribution (for mixtures, the primary one)
-    num_classes: int
-    mixture: torch.Tensor | None = None  # [N, k] float32 realised train share of each distribution (mixture only)
-    train_distribution: torch.Tensor | None = None  # [N, n_train] int64 distribution of every train sample
-    test_distribution: torch.Tensor | None = None  # [N, n_test] int64 distribution of every test sample
-    rotations: tuple[int, ...] = ()  # degrees of each distribution j
-
-    def __post_init__(self) -> None:
-        n = self.x_train.shape[0]
-        per_client = [
-            self.y_train,
-            self.x_test,
-            self.y_test,
-            self.true_cluster,
-            self.mixture,
-            self.train_distribution,
-            self.test_distribution,
-        ]
-        if any(t is not None and t.shape[0] != n for t in per_client):
-            raise ValueError("FederatedData: every per-client tensor must have the same first dimension N")
-
-    @property
-    def input_shape(self) -> tuple[int, int, int]:
-        c, h, w = self.x_train.shape[2:]
-        return int(c), int(h), int(w)
-
-    @property
-    def num_clients(self) -> int:
-        return int(self.x_train.shape[0])
-
-    def subset(self, clients: Sequence[int]) -> FederatedData:
-        """The same data restricted to `clients` (in the given order)."""
-        index = torch.as_tensor(list(clients), dtype=torch.long, device=self.x_train.device)
-        return self._map(lambda t: t[index])
-
-    def to(self, device: torch.device | str) -> FederatedData:
-        """The same data on `device` (itself when it is there already)."""
-        if self.x_train.device == torch.device(device):
-            return self
-        return self._map(lambda t: t.to(device))
-
-    def _map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> FederatedData:
-        def each(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else f(t)
-
-        return FederatedData(
-            x_train=f(self.x_train),
-            y_train=f(self.y_train),
-            x_test=f(self.x_test),
-            y_test=f(self.y_test),
-            true_cluster=f(self.true_cluster),
-            num_classes=self.num_classes,
-            mixture=each(self.mixture),
-            train_distribution=each(self.train_distribution),
-            test_distribution=each(self.test_distribution),
-            rotations=self.rotations,
-        )
 
 
 def load_source(data: DataConfig, seed: int) -> PooledSource | WriterSource:
@@ -156,6 +90,16 @@ def split_source(pool: ImagePool, num_classes: int, test_fraction: float, seed: 
 
 
 def build_federated_data(cfg: ExperimentConfig) -> FederatedData:
+    """The config's client shards: images (rotated per cluster), or feature vectors (dfca.data.features)."""
+    if cfg.data.dataset == "blobs":
+        return features.blobs(cfg)
+    images = client_images(cfg)
+    if cfg.data.features == "projection":
+        return features.projected(images, cfg.data.feature_dim, cfg.seed)
+    return images
+
+
+def client_images(cfg: ExperimentConfig) -> FederatedData:
     data, k, n_clients = cfg.data, cfg.clusters, cfg.data.clients
     rotations = cluster_rotations(data.rotations, k)
     source = load_source(data, cfg.seed)

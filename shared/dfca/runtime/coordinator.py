@@ -6,7 +6,7 @@ start barrier's `go`, presumes silent workers dead and settles finished experime
 
 Edge changes (FedSPD's dynamic network) bind the new edges' queues at once, so no model of a new
 neighbour is lost, and tell workers to switch neighbour lists before round `effective_round`
-(two rounds after the most advanced worker), where each ClientHost rebinds its queues. Records
+(two rounds after the most advanced worker), where each worker's driver rebinds its queues. Records
 are kept in memory and, with a `state_dir`, as one JSON file per experiment so a restarted
 topology service picks up where it was.
 """

@@ -23,7 +23,7 @@ SENT_AT_HEADER = "sent_at"
 
 
 class RunInterrupted(Exception):
-    """The runner was asked to stop while the host was waiting for models."""
+    """The runner was asked to stop while its driver was waiting for messages."""
 
 
 class HostTransport(Transport):

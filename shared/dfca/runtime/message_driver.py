@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from dfca import topics
 from dfca.algorithms import Algorithm, Exchange, Inbox
-from dfca.algorithms.base import SERVER, Graph
+from dfca.algorithms.base import SERVER, Graph, report_of
 from dfca.runtime.host_transport import RunInterrupted
 from dfca.runtime.liveness import NeighbourLiveness
 from dfca.transport import Message, Transport
@@ -342,10 +342,7 @@ class MessageDriver:
     # -- reports and checkpoints ----------------------------------------------------------------------------
     def report(self) -> dict[str, list[Any]]:
         """The hosted clients' evaluation, as a round report carries it."""
-        ev = self.algorithm.evaluate()
-        return {"clients": self.ids, "assigned": ev.assigned.tolist(), "test_accuracy": ev.test_accuracy.tolist(),
-                "train_loss": ev.train_loss.tolist(), "true_cluster": self.algorithm.data().true_cluster.tolist(),
-                **ev.extra}
+        return report_of(self.algorithm.evaluate(), self.ids, self.algorithm.data().true_cluster)
 
     def save_checkpoint(self, path: Path) -> None:
         """The hosted rows' state after the last round, as safetensors; written atomically."""

@@ -75,9 +75,9 @@ class RoundReport(Document):
     complete: bool = Field(description="every live neighbour's model arrived before the round timeout")
     seconds: float
     evaluation: dict[str, list[Any]] | None = Field(
-        None, description="ClientHost.evaluate(): clients, assigned, test_accuracy, train_loss, true_cluster"
+        None, description="MessageDriver.report(): clients, assigned, test_accuracy, train_loss, true_cluster"
     )
-    stats: dict[str, Any] = Field(default_factory=dict, description="HostStats.as_dict(), cumulative per incarnation")
+    stats: dict[str, Any] = Field(default_factory=dict, description="DriverStats.as_dict(), cumulative per incarnation")
     lag_seconds: float = Field(0.0, description="mean seconds from a neighbour's publish to its delivery here")
     bytes_published: int = Field(0, description="model payload bytes this worker published this round")
     dead_neighbours: list[int] = Field(default_factory=list)

@@ -4,7 +4,9 @@ The summary is `dfca.simulator.build_summary` over the live clients' latest eval
 failed workers are left out and listed under `failed_clients`), plus what only a distributed run
 has: its status, message counts (applied, rejected by reason, dead-lettered, ...), timeouts,
 restarts and where each restarted worker resumed. FedSPD's runs add each live client's `mixture`
-(u_is) and, on mixture data, `mixture_error` (mean absolute error against the true mixtures).
+(u_is) and, on mixture data, `mixture_error` (mean absolute error against the true mixtures); an algorithm
+with metrics of its own (`Algorithm.run_metrics`: the k-means algorithms' GCD and CV) adds them, per round
+and in the summary, computed as the simulator computes them.
 Per-round seconds are the slowest worker's wall time for that round (workers wait for each other).
 `bytes_sent_per_client_per_round` counts what a client publishes (one message; the broker fans it out).
 """
@@ -13,16 +15,22 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Iterable
+from functools import lru_cache
 from typing import Any
 
 import torch
 
+from dfca.algorithms import CLIENTS
+from dfca.config import ExperimentConfig
 from dfca.core.soft_assignment import mixture_error
+from dfca.data import FederatedData, build_federated_data
 from dfca.evaluation import assignment_counts, cluster_accuracy, cluster_ari, populated_clusters
+from dfca.graph import build_graph, neighbours
 from dfca.runtime.metrics_store import StoredExperiment, StoredReport
 from dfca.simulator import build_summary
 
-COUNTED_STATS = ("published", "applied", "duplicates", "stale_dropped", "stale_merged", "not_neighbour", "timeouts")
+COUNTED_STATS = ("published", "applied", "ignored", "duplicates", "stale_dropped", "stale_merged", "not_neighbour",
+                 "timeouts")
 
 
 def latest_by_round(reports: Iterable[StoredReport]) -> dict[int, dict[int, StoredReport]]:
@@ -34,7 +42,7 @@ def latest_by_round(reports: Iterable[StoredReport]) -> dict[int, dict[int, Stor
 
 
 def evaluated_clients(reports: Iterable[StoredReport], exclude: set[int]) -> dict[str, list[Any]]:
-    """Concatenated evaluations of the given reports, without the `exclude` clients."""
+    """Concatenated evaluations of the given reports (every per-client field), without the `exclude` clients."""
     out: dict[str, list[Any]] = {"clients": [], "assigned": [], "test_accuracy": [], "train_loss": [],
                                  "true_cluster": []}
     for report in reports:
@@ -44,9 +52,23 @@ def evaluated_clients(reports: Iterable[StoredReport], exclude: set[int]) -> dic
         for i, client in enumerate(ev["clients"]):
             if client in exclude:
                 continue
-            for key in out:
-                out[key].append(ev[key][i])
+            for key, values in ev.items():
+                out.setdefault(key, []).append(values[i])
     return out
+
+
+@lru_cache(maxsize=4)
+def _shards(config_json: str) -> FederatedData:
+    return build_federated_data(ExperimentConfig.model_validate_json(config_json))
+
+
+def algorithm_metrics(cfg: ExperimentConfig, report: dict[str, list[Any]]) -> dict[str, float]:
+    """`Algorithm.run_metrics` over the reported clients (the graph the config draws; data built, once, on demand)."""
+    algorithm = CLIENTS.get(cfg.algorithm)
+    if algorithm is None or not report.get("clients"):
+        return {}
+    graph = neighbours(build_graph(cfg.topology, cfg.data.clients, cfg.seed))
+    return algorithm.run_metrics(cfg, report, lambda: _shards(cfg.model_dump_json()), graph)
 
 
 def clustering_metrics(ev: dict[str, list[Any]], k: int) -> dict[str, Any]:
@@ -89,6 +111,7 @@ def history(experiment: StoredExperiment, reports: list[StoredReport]) -> list[d
         ev = evaluated_clients(chosen, failed)
         if ev["clients"]:
             record.update(clustering_metrics(ev, k))
+            record.update(algorithm_metrics(experiment.config, ev))
         records.append(record)
     return records
 
@@ -148,6 +171,7 @@ def summarize(
                    "test_accuracy": None, "cluster_ari": None, "cluster_acc": None, "populated_clusters": 0,
                    "wall_seconds": wall, "seconds_per_round": None}
     summary.update(mixture_fields(final))
+    summary.update(algorithm_metrics(cfg, final))
     incarnations: dict[int, set[str]] = defaultdict(set)
     for event in worker_events:
         incarnations[event["worker"]].add(event["incarnation"])
