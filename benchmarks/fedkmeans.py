@@ -6,8 +6,9 @@
 Data: the paper's blobs (k = 3 in R^2, centres at least 5 apart; isotropic, heterogeneous variances, anisotropic),
 n = 10 nodes, Erdos-Renyi graphs, every method from k-means++ at every node (dfca.algorithms.fedkmeans).
 - Figures 1 and 2: GCD and CV of (12) against m_i in {50, 100, 200, 400, 800} at p = 0.7, for Algorithm 1 with
-  alpha 0 (local k-means), 0.5 and 1, distributed k-means with eta = 2, and Algorithm 1 at alpha = 1 with the data
-  term normalised by 1/m_i as the paper's (8) and (11) print (`fedkmeans.data_weight: mean`).
+  alpha 0 (local k-means), 0.5 and 1 (the data term divided by m_i, as the paper's (8) and (11) print: the
+  default), distributed k-means with eta = 2, and Algorithm 1 at alpha = 1 with every point weighing 1 as in
+  (6), (7) and (9) (`fedkmeans.data_weight: one`).
 - Figures 3 and 4: GCD and CV against p in {0.4, 0.7, 1} at m_i = 200.
 Every finished run is appended to the results file (resumable); then docs/fedkmeans.md gets the tables (mean
 +- standard error, and how many runs ended with GCD above 0.5: a node, or the network, on a wrong solution)
@@ -39,9 +40,10 @@ METHODS: dict[str, dict[str, Any]] = {
     "Algorithm 1, alpha 0.5": {"algorithm": "fedkmeans", "fedkmeans": {"alpha": 0.5}},
     "Algorithm 1, alpha 1": {"algorithm": "fedkmeans", "fedkmeans": {"alpha": 1.0}},
     "distributed k-means (eta 2)": {"algorithm": "distkmeans", "distkmeans": {"eta": 2.0}},
-    "Algorithm 1, alpha 1, data 1/m_i": {"algorithm": "fedkmeans", "fedkmeans": {"alpha": 1.0, "data_weight": "mean"}},
+    "Algorithm 1, alpha 1, point weight 1": {"algorithm": "fedkmeans", "fedkmeans": {"alpha": 1.0,
+                                                                                    "data_weight": "one"}},
 }
-SWEEP_P_METHODS = tuple(list(METHODS)[:4])  # the paper's methods; the 1/m_i variant only against m_i
+SWEEP_P_METHODS = tuple(list(METHODS)[:4])  # the paper's methods; the weight-1 variant only against m_i
 BAD_GCD = 0.5  # above this, at least one node sits on a wrong solution (two centroids in one blob)
 
 
@@ -134,7 +136,7 @@ def figures(runs: list[dict[str, Any]], path: Path) -> None:
                 if not points:
                     continue
                 x, mean, se = zip(*points, strict=True)
-                dashed = "1/m_i" in method
+                dashed = "weight 1" in method
                 ax.errorbar(x, mean, yerr=se, marker="o", markersize=3, capsize=2, label=method,
                             linestyle="--" if dashed else "-")
             ax.set_yscale("log")

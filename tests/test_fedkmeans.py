@@ -68,7 +68,7 @@ def test_alpha_1_without_e3_is_k_means_on_the_augmented_dataset(data_weight: str
     centres = torch.tensor([[0.0, 0.0], [6.0, 0.0], [0.0, 6.0]])
     x = (centres.repeat(m // 3, 1) + torch.randn(m, 2, generator=g)).unsqueeze(0)
     theirs = (centres.unsqueeze(0) + 0.5 * torch.randn(4, k, 2, generator=g)).unsqueeze(0)  # 4 neighbours
-    w0 = kmeans_plus_plus(x[0], k, torch.Generator().manual_seed(3)).unsqueeze(0)
+    w0 = kmeans_plus_plus(x[0], k, 3).unsqueeze(0)
     a = 1.0 if data_weight == "one" else 1.0 / m
     ours, _ = gtv_update(x, w0, Neighbours(theirs, torch.ones(1, 4, dtype=torch.bool)), 1.0, torch.tensor([a]),
                          with_e3=False, passes=100, tol=0.0)

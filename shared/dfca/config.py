@@ -134,9 +134,9 @@ class FedKMeansConfig(Strict):
         "parallel", description="which nodes update per iteration: all (Jacobi, the paper's method), or one (step 3)"
     )
     e3: bool = Field(True, description="the assignment step (E3), component II of (8)")
-    data_weight: Literal["one", "mean"] = Field(
-        "one", description="a point's weight in (8): one = 1 as in (6), (7), (9); mean = 1/m_i as (8) and (11) print "
-        "(alpha then weighs a neighbour centroid like a whole local dataset; see algorithms.fedkmeans)",
+    data_weight: Literal["mean", "one"] = Field(
+        "mean", description="a point's weight in (8): mean = 1/m_i as (8) and (11) print (a neighbour centroid then "
+        "weighs alpha against the whole local dataset's 1); one = 1 as in (6), (7), (9) (see algorithms.fedkmeans)",
     )
     passes: int = Field(20, ge=1, le=10_000, description="cap of (E1)-(E3), (M) passes per update")
     tol: float = Field(1e-6, ge=0.0, lt=1.0, description="stop the passes when (8) falls by less than this (relative)")

@@ -15,13 +15,15 @@ run the local update (8) with the centroids their neighbours sent: (E1)-(E3) and
 A neighbour whose centroids did not arrive this round counts with the last ones heard from it (none yet: it is
 left out). `fedkmeans.alpha = 0` is local k-means, the paper's other baseline.
 
-A point's weight (`fedkmeans.data_weight`). (6), (7) and (9) weigh every point 1; (8) and (11) print the data
-term divided by m_i, which is the same family with alpha multiplied by m_i. We default to 1: then (7) is exactly
-what the updates descend, (9) is exactly k-means on the augmented dataset, and (11)'s max(., 1) is the usual
-guard of an empty count. Measured at the paper's setting (isotropic, n = 10, p = 0.7, m_i = 200, 10 seeds,
-60 iterations): with weight 1, GCD falls with alpha (median 0.028, 0.023, 0.019 at alpha 0, 0.5, 1); with 1/m_i,
-the median falls to 0.0006-0.012, but 3 of 10 seeds collapse network-wide to a wrong solution (GCD 5-9), a node
-that starts badly dragging the strongly coupled network with it, under every schedule.
+A point's weight (`fedkmeans.data_weight`). (8) and (11), the update that Algorithm 1 runs, divide the data term
+by m_i: our default. (6), (7) and (9) weigh every point 1 (`data_weight: one`), the same family with alpha
+divided by m_i: with it (7) is exactly what the updates descend and (9) is exactly k-means on the augmented
+dataset; with 1/m_i the descended objective is (7) with L_i / m_i. Measured (isotropic, n = 10, p = 0.7,
+m_i = 200, 10 seeds, 60 iterations; GCD mean): local k-means 0.027; 1/m_i: 0.0004 at alpha 0.5, 0.0072 at
+alpha 1; weight 1: 0.023 and 0.019. (11) divides by max(., 1), which, read literally with 1/m_i, pulls every
+centroid whose weights sum below 1 towards the origin (at alpha = 0 always, where the update must be plain
+k-means); we read it as a guard: a centroid with nothing assigned (no point, no matched neighbour centroid)
+keeps its place.
 
 `distkmeans`: every node also starts from k-means++ on its own points, then runs D-KM, consensus on same-index
 centroids by the primal-dual method with step `distkmeans.eta` (2 in the paper), with the centroids that
@@ -63,13 +65,11 @@ CENTROIDS = "centroids"
 
 
 def initial_centroids(ctx: HostContext) -> Tensor:
-    """[M, k, d]: k-means++ on every hosted node's points, each from a CPU generator seeded by the node's id."""
+    """[M, k, d]: k-means++ on every hosted node's points, each seeded by the node's id."""
     assert ctx.data is not None, "k-means nodes hold data"
     points, k = ctx.data.x_train, ctx.cfg.clusters
-    return torch.stack([
-        kmeans_plus_plus(points[r], k, torch.Generator().manual_seed(ctx.cfg.seed * 1_000_003 + 31 * c + 17))
-        for r, c in enumerate(ctx.clients)
-    ])
+    return torch.stack([kmeans_plus_plus(points[r], k, ctx.cfg.seed * 1_000_003 + 31 * c + 17)
+                        for r, c in enumerate(ctx.clients)])
 
 
 class KMeansNodes(Algorithm):

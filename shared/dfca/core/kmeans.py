@@ -13,10 +13,10 @@ and node i's update (8) minimises  a * L_i(W) + alpha * sum_{i' in N(i)} d(W, V_
                          / [a |{r: c_r = c}| + alpha (|U_c| + d_i)],
 until the objective falls by less than `tol` (relatively) or after `passes` passes. `a` is the weight of a
 data point: 1 makes (8) the node's part of (7) with L_i of (6) (and, at alpha = 1 without (E3), exactly
-k-means on the augmented dataset (9)); 1 / m_i is the normalisation (8) and (11) print. (11) divides by
-max(., 1); read literally that pulls every centroid whose weights sum below 1 towards the origin (at
-alpha = 0 always, where the update must be plain k-means), so we read it as a guard: a centroid with
-nothing assigned (no point, no matched neighbour centroid) keeps its place.
+k-means on the augmented dataset (9)); 1 / m_i is the normalisation (8) and (11) print (algorithms.fedkmeans
+says which the config picks). (11) divides by max(., 1); read literally that pulls every centroid whose
+weights sum below 1 towards the origin (at alpha = 0 always, where the update must be plain k-means), so we
+read it as a guard: a centroid with nothing assigned (no point, no matched neighbour centroid) keeps its place.
 
 Rows are nodes; a node's neighbours are padded to the largest degree D with `mask` [M, D].
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from sklearn.cluster import kmeans_plusplus
 from torch import Tensor
 
 
@@ -40,24 +41,14 @@ def set_distance(w: Tensor, v: Tensor) -> Tensor:
     return dist.min(-1).values.sum(-1) + dist.min(-2).values.sum(-1)
 
 
-def kmeans_plus_plus(points: Tensor, k: int, generator: torch.Generator) -> Tensor:
-    """k-means++ seeding (Arthur and Vassilvitskii) of one node's points [m, d] -> [k, d], from a CPU generator."""
+def kmeans_plus_plus(points: Tensor, k: int, seed: int) -> Tensor:
+    """k-means++ seeding of one node's points [m, d] -> [k, d]: scikit-learn's greedy variant (each step keeps the
+    best of 2 + log k candidates), on the CPU from `seed`, so every driver and device draws the same."""
     m = points.shape[0]
     if k > m:
         raise ValueError(f"k-means++ needs at least k={k} points, the node has {m}")
-    cpu = points.detach().cpu().double()
-    first = int(torch.randint(m, (1,), generator=generator))
-    chosen = [first]
-    nearest = (cpu - cpu[first]).pow(2).sum(1)
-    for _ in range(1, k):
-        total = float(nearest.sum())
-        if total <= 0:  # every point sits on a chosen centroid: take the next unchosen point
-            pick = next(r for r in range(m) if r not in chosen)
-        else:
-            pick = int(torch.multinomial(nearest / total, 1, generator=generator))
-        chosen.append(pick)
-        nearest = torch.minimum(nearest, (cpu - cpu[pick]).pow(2).sum(1))
-    return points[chosen].clone()
+    centres, _ = kmeans_plusplus(points.detach().cpu().double().numpy(), k, random_state=seed % 2**31)
+    return torch.from_numpy(centres).to(points.device, points.dtype)
 
 
 @dataclass
