@@ -36,8 +36,9 @@ def config(args: argparse.Namespace) -> ExperimentConfig:
     })
 
 
-def timed_phases(algo: Algorithm, times: dict[str, float]) -> None:
-    """Wrap the algorithm's steps so that each call adds its seconds to its phase."""
+def timed_phases(algo: Algorithm) -> list[dict[str, float]]:
+    """Wrap the algorithm's steps (once) so that each call adds its seconds to its phase in the last dict."""
+    rounds: list[dict[str, float]] = []
     phases = {"begin_round": "training", "send": "aggregation", "receive": "aggregation",
               "end_exchange": "aggregation", "end_round": "assignment + inference",
               "evaluate": "assignment + inference"}
@@ -47,17 +48,20 @@ def timed_phases(algo: Algorithm, times: dict[str, float]) -> None:
         def wrapper(*args, step=step, phase=phase):  # type: ignore[no-untyped-def]
             t0 = time.perf_counter()
             out = step(*args)
-            times[phase] = times.get(phase, 0.0) + time.perf_counter() - t0
+            rounds[-1][phase] = rounds[-1].get(phase, 0.0) + time.perf_counter() - t0
             return out
 
         setattr(algo, method, wrapper)
+    return rounds
 
 
-def vectorized_round(sim: Simulation, t: int) -> dict[str, float]:
-    times: dict[str, float] = {}
-    timed_phases(sim.algorithm, times)
-    sim.run_round(t)
-    sim.algorithm.evaluate()
+def vectorized_rounds(sim: Simulation, rounds: int) -> list[dict[str, float]]:
+    """Each round's seconds by phase: the simulator's round, then the evaluation a record makes."""
+    times = timed_phases(sim.algorithm)
+    for t in range(rounds):
+        times.append({})
+        sim.run_round(t)
+        sim.algorithm.evaluate()
     return times
 
 
@@ -142,7 +146,7 @@ def main() -> None:
     states = [[{"fc1.weight": params["w1"][i, j].T.clone(), "fc1.bias": params["b1"][i, j].clone(),
                 "fc2.weight": params["w2"][i, j].T.clone(), "fc2.bias": params["b2"][i, j].clone()}
                for j in range(cfg.clusters)] for i in range(ctx.n)]
-    vec = [vectorized_round(sim, t) for t in range(args.rounds)]
+    vec = vectorized_rounds(sim, args.rounds)
     ref = [per_client_round(ctx, states) for _ in range(args.rounds)]
     phases = ["training", "assignment + inference", "aggregation"]
 

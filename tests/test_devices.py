@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from test_driver_equivalence import DEVICES, small_config
+from test_driver_equivalence import DEVICES, SCHEMA_ALGORITHMS, config_for, small_config
 from typer.testing import CliRunner
 
 from dfca import devices
@@ -67,10 +67,9 @@ def test_dfca_validate_and_run_refuse_cuda_on_a_machine_without_one(tmp_path: Pa
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("algorithm", ["dfca", "ifca", "dfedavgm", "fedspd", "local"])
+@pytest.mark.parametrize("algorithm", SCHEMA_ALGORITHMS)
 def test_the_simulator_keeps_every_algorithm_on_its_device(algorithm: str, device: str) -> None:
-    cfg = small_config(algorithm=algorithm, device=device, rounds=2, data={"rotations": [0, 90], "mixture": True},
-                       dfca={"flood_rounds": 1, "seed_epochs": 1, "warmup_rounds": 1, "warmup_gossip_steps": 2})
+    cfg = config_for(algorithm).model_copy(update={"device": device})
     result = simulate(cfg)
     want = torch.device(device).type
     assert result.summary["device"].startswith(want)
