@@ -12,7 +12,7 @@ from lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
 
 from dfca import topics
 from dfca.algorithms import CLIENTS
-from dfca.config import KMEANS_ALGORITHMS, ExperimentConfig
+from dfca.config import KMEANS_ALGORITHMS, SERVER_CLUSTERING, ExperimentConfig
 from dfca.evaluation import cluster_ari, populated_clusters
 from dfca.graph import neighbours
 from dfca.runtime.experiments import RUNTIME_ALGORITHMS
@@ -39,8 +39,10 @@ def small_config(**overrides: Any) -> ExperimentConfig:
 
 
 def config_for(algorithm: str) -> ExperimentConfig:
-    """A small run of `algorithm`: rotated digits with mixtures (the k-means algorithms: blobs), seeding and gossip
-    steps short."""
+    """A small run of `algorithm`: rotated digits with mixtures (the k-means algorithms: blobs; the server-clustered
+    ones: Dirichlet label skew), seeding and gossip steps short."""
+    if algorithm in SERVER_CLUSTERING:
+        return small_config(algorithm=algorithm, rounds=3, data={"partition": "dirichlet", "groups": 2})
     if algorithm in KMEANS_ALGORITHMS:
         return small_config(algorithm=algorithm, clusters=3, rounds=3, data={"dataset": "blobs",
                                                                              "train_per_client": 20})

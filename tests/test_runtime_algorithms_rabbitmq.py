@@ -160,3 +160,58 @@ def test_k_means_over_rest_reports_gcd_and_cv_as_the_simulator_does(stack: Stack
     assert summary["messages"]["timeouts"] == 0 and summary["messages"]["rejected_total"] == 0
     history = Api.of(stack).metrics.get(f"/experiments/{experiment}/metrics").json()["history"]
     assert len(history) == 12 and all("gcd" in h and "cv" in h for h in history)
+
+
+def dirichlet_groups(**overrides: Any) -> dict[str, Any]:
+    """3 Dirichlet label-skew groups of 8 clients: DPMM-CFL finds K = 3 in the simulator."""
+    cfg: dict[str, Any] = {
+        "name": "dpmm", "algorithm": "dpmm_cfl", "clusters": 3, "rounds": 8, "seed": 0,
+        "data": {"partition": "dirichlet", "groups": 3, "clients": 24, "train_per_client": 50, "test_per_client": 20},
+        "model": {"kind": "mlp", "hidden": 64},
+        "train": {"lr": 0.05, "local_epochs": 1, "batch_size": 10, "momentum": 0.9},
+        "runtime": {"round_timeout": 30.0},
+    }
+    for key, value in overrides.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    return cfg
+
+
+@pytest.mark.parametrize("algorithm", ["dpmm_cfl", "fesem"])
+def test_server_clustering_over_rest_matches_the_simulator(stack: Stack, algorithm: str) -> None:
+    """The aggregator samples (DPMM-CFL) or assigns (FeSEM) and averages; clients get their cluster and its model;
+    clusters come and go under one binding. Lockstep without loss: the simulator's K, ARI, accuracy and F1."""
+    cfg = dirichlet_groups(name=algorithm, algorithm=algorithm)
+    experiment, final, summary = run(stack, cfg)
+    assert final["status"] == "completed" and summary["clients"] == 24, final
+    sim = simulate(ExperimentConfig.model_validate(cfg)).summary
+    for key in ("inferred_clusters", "cluster_ari", "test_accuracy", "macro_f1", "test_accuracy_last3",
+                "macro_f1_last3"):
+        assert summary[key] == pytest.approx(sim[key], abs=1e-4), (key, summary[key], sim[key])
+    assert summary["messages"]["timeouts"] == 0 and summary["messages"]["rejected_total"] == 0
+    history = Api.of(stack).metrics.get(f"/experiments/{experiment}/metrics").json()["history"]
+    assert len(history) == 8 and all("inferred_clusters" in h and "macro_f1" in h for h in history)
+    if algorithm == "dpmm_cfl":
+        assert summary["inferred_clusters"] == 3 and summary["cluster_ari"] >= 0.9, summary
+        assert all("split_acceptance" in h for h in history)
+
+
+def test_dpmm_cfl_survives_the_aggregator_and_a_worker_killed_mid_run(stack: Stack) -> None:
+    """SIGKILL the aggregator at round 3 (it resumes the chain and the cluster models from its checkpoint; the uploads
+    it had not checkpointed wait in its queue) and a worker at round 5 (it resumes from its own): the run completes
+    with every client and recovers the groups as the unfaulted run does."""
+    cfg = dirichlet_groups(name="dpmm-kill", rounds=10, runtime={"round_timeout": 5.0})
+    api = Api.of(stack)
+    experiment = api.create_and_start(cfg)
+    api.wait_round(experiment, 3)
+    stack.kill("aggregator", signal.SIGKILL)
+    api.wait_round(experiment, 5)
+    stack.kill("worker-1", signal.SIGKILL)
+    final = api.wait_finished(experiment)
+    assert final["status"] == "completed" and final["failed_clients"] == [], final
+    role = aggregator_roles(stack)[experiment]
+    assert role["resumed_from"] >= 1 and role["round"] == 10 and not role["running"], role
+    summary = api.summary(experiment)
+    assert summary["clients"] == 24 and summary["worker_restarts"].get("1", 0) >= 1, summary
+    assert summary["inferred_clusters"] == 3 and summary["cluster_ari"] >= 0.9, summary
+    unfaulted = simulate(ExperimentConfig.model_validate(cfg)).summary
+    assert summary["test_accuracy"] >= unfaulted["test_accuracy"] - 0.03, (summary, unfaulted["test_accuracy"])

@@ -1,14 +1,18 @@
 """The optional aggregator: central roles (dfca.runtime.central_roles) on the same broker, on DFCA_DEVICE.
 
-Health on DFCA_PORT (default 8083): /livez, /readyz; GET /status lists the roles running.
+Health on DFCA_PORT (default 8083): /livez, /readyz; GET /status lists the roles running. Roles checkpoint to
+DFCA_CHECKPOINT_DIR; on start the aggregator asks the topology service (DFCA_TOPOLOGY_URL) which experiments
+are running and resumes the roles of those that have one.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from typing import Any
 
+import httpx
 from fastapi import FastAPI
 
 from dfca import topics
@@ -17,6 +21,7 @@ from dfca.runtime.event_consumer import QueueConsumer
 from dfca.runtime.http_service import add_health_routes, serve
 from dfca.runtime.messages import GoCommand, StartCommand, StopCommand, TopologyChange, decode_control
 from dfca.runtime.structured_logs import configure_logging
+from dfca.runtime.worker_agent import spec_from_rest
 from dfca.settings import ServiceSettings
 from dfca.topics import ALL_EVENTS, aggregator_control_queue, deployment_tag
 from dfca.transport import connect_transport
@@ -24,11 +29,15 @@ from dfca.transport.broker_setup import ensure_broker_topology
 
 log = logging.getLogger(__name__)
 
+RECOVER_RETRY_S = 2.0
+
 
 class Aggregator:
     def __init__(self, deployment: str, broker_url: str, topology_url: str | None = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, checkpoint_dir: Path | None = None) -> None:
         self.deployment, self.broker_url, self.topology_url, self.device = deployment, broker_url, topology_url, device
+        self.checkpoint_dir = checkpoint_dir
+        self.lock = threading.Lock()  # the control consumer and the recovery both start roles
         self.transport = connect_transport(broker_url, name="dfca-aggregator")
         self.queue = aggregator_control_queue(deployment)
         self.consumer = QueueConsumer(self.transport, self.queue, decode_control, self.handle)
@@ -41,20 +50,48 @@ class Aggregator:
         self.transport.declare_queue(self.queue, dead_letter_exchange=topics.DEAD_LETTER_EXCHANGE)
         self.transport.bind(self.queue, topics.CONTROL_EXCHANGE, ALL_EVENTS)
         self.thread.start()
+        if self.topology_url:
+            threading.Thread(target=self._recover_loop, daemon=True).start()
+
+    def _recover_loop(self) -> None:
+        """Resume the central roles of the experiments the topology service says are running."""
+        assert self.topology_url
+        while not self.stopping.is_set():
+            try:
+                with httpx.Client(base_url=self.topology_url, timeout=5.0) as client:
+                    listing = client.get("/experiments").raise_for_status().json()
+                    for item in listing:
+                        if item["status"] != "running":
+                            continue
+                        detail = client.get(f"/experiments/{item['id']}").raise_for_status().json()
+                        if detail["config"].get("algorithm") not in CENTRAL_ROLES:
+                            continue
+                        topo = client.get(f"/experiments/{item['id']}/topology").raise_for_status().json()
+                        spec = spec_from_rest(self.deployment, 0, detail, topo)
+                        self.handle(StartCommand(deployment=self.deployment, experiment=spec.experiment,
+                                                 config=spec.config, workers=spec.workers, neighbours=spec.neighbours,
+                                                 topology_version=spec.topology_version))
+                return
+            except (httpx.HTTPError, ValueError, KeyError) as err:
+                log.info("topology service not reachable yet (%s); retrying", err)
+                self.stopping.wait(RECOVER_RETRY_S)
 
     def handle(self, command: StartCommand | GoCommand | StopCommand | TopologyChange) -> None:
         if command.deployment != self.deployment:
             return
-        if isinstance(command, StartCommand) and command.experiment not in self.roles:
-            role_class = CENTRAL_ROLES.get(command.config.algorithm)
-            if role_class is None:
-                return
-            role = role_class(command, connect_transport(self.broker_url, name="dfca-aggregator-role"),
-                              self.topology_url, self.device)
-            stop = threading.Event()
-            thread = threading.Thread(target=self._run, args=(role, stop), daemon=True)
-            self.roles[command.experiment] = (role, stop, thread)
-            thread.start()
+        if isinstance(command, StartCommand):
+            with self.lock:
+                if command.experiment in self.roles:
+                    return
+                role_class = CENTRAL_ROLES.get(command.config.algorithm)
+                if role_class is None:
+                    return
+                role = role_class(command, connect_transport(self.broker_url, name="dfca-aggregator-role"),
+                                  self.topology_url, self.device, self.checkpoint_dir)
+                stop = threading.Event()
+                thread = threading.Thread(target=self._run, args=(role, stop), daemon=True)
+                self.roles[command.experiment] = (role, stop, thread)
+                thread.start()
         elif isinstance(command, StopCommand) and command.experiment in self.roles:
             self.roles[command.experiment][1].set()
 
@@ -68,8 +105,10 @@ class Aggregator:
 
     def close(self) -> None:
         self.stopping.set()
-        for _, stop, thread in self.roles.values():
+        for role, stop, _ in self.roles.values():
+            role.leaving = True  # the experiment goes on: its queue and checkpoint stay for the next aggregator
             stop.set()
+        for _, _, thread in self.roles.values():
             thread.join(5)
         self.thread.join(5)
         self.transport.close()
@@ -91,7 +130,7 @@ def main() -> None:
     settings = ServiceSettings.from_env("aggregator")
     configure_logging("aggregator", settings.log_level)
     aggregator = Aggregator(deployment_tag(settings.topology_url), settings.broker_url, settings.topology_url,
-                            settings.device)
+                            settings.device, Path(settings.checkpoint_dir))
     aggregator.open()
     try:
         serve(create_app(aggregator, settings.broker_url), settings.host, settings.port)

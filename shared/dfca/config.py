@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-AlgorithmName = Literal["dfca", "ifca", "dfedavgm", "fedspd", "local", "fedkmeans", "distkmeans"]
+AlgorithmName = Literal["dfca", "ifca", "dfedavgm", "fedspd", "local", "fedkmeans", "distkmeans", "dpmm_cfl", "fesem"]
 ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
 KMEANS_ALGORITHMS = ("fedkmeans", "distkmeans")  # they cluster feature vectors, not clients
+SERVER_CLUSTERING = ("dpmm_cfl", "fesem")  # a server clusters the clients by their uploaded models
 
 
 class Strict(BaseModel):
@@ -38,6 +39,13 @@ class DataConfig(Strict):
         "none", description="projection: every image becomes its fixed random projection to R^feature_dim"
     )
     feature_dim: int = Field(2, ge=1, le=4096, description="blobs and projection: the dimension d of a point")
+    partition: Literal["rotation", "dirichlet", "class_split"] = Field(
+        "rotation", description="rotation: cluster j is the data rotated by rotations[j]; dirichlet, class_split: "
+        "label skew with data.groups groups (DPMM-CFL Sec. 4.1, dfca.data.label_skew)",
+    )
+    groups: int | None = Field(
+        None, ge=1, le=1000, description="dirichlet, class_split: the true number of groups (None: clusters)"
+    )
 
 
 class ModelConfig(Strict):
@@ -148,6 +156,49 @@ class DistKMeansConfig(Strict):
     eta: float = Field(2.0, gt=0.0, le=1e6, description="the primal-dual step; the paper uses 2")
 
 
+class DPMMConfig(Strict):
+    """DPMM-CFL (Sec. 2-3 of the paper; see algorithms.dpmm_cfl for what the paper leaves open)."""
+
+    alpha: float = Field(1.0, gt=0.0, le=1e6, description="DP concentration: how readily new clusters open")
+    sigma0: float = Field(1.0, gt=0.0, le=1e6, description="G0 = N(0, sigma0^2 I), the base measure")
+    likelihood_var: Annotated[float, Field(gt=0.0, le=1e12)] | Literal["nearest", "pooled"] = Field(
+        "pooled", description="s in Sigma = s I, the likelihood covariance (it drives the inferred K), or a rule "
+        "that sets it every round: pooled, the within-cluster variance per dimension under the chain's starting "
+        "assignments; nearest, the median squared distance from a client to its nearest other client / 2d",
+    )
+    sampler: Literal["split_merge", "gibbs"] = Field(
+        "split_merge", description="split_merge: Jain-Neal restricted Gibbs split-merge plus Gibbs scans; gibbs: "
+        "collapsed Gibbs scans only (for comparison)",
+    )
+    sweeps: int = Field(3, ge=1, le=10_000, description="sampler sweeps per round")
+    proposals: int = Field(20, ge=0, le=100_000, description="split-merge proposals per sweep")
+    gibbs_scans: int = Field(1, ge=0, le=1000, description="collapsed Gibbs scans per sweep")
+    launch_scans: int = Field(5, ge=0, le=1000, description="t: restricted Gibbs scans that build a launch state")
+    restart: Literal["previous", "one_cluster"] = Field(
+        "previous", description="the chain starts from last round's assignments, or from one cluster every round"
+    )
+    weighting: Literal["samples", "uniform"] = Field(
+        "samples", description="cluster model: eq. (3), weights n_i / N_k; or Algorithm 1's 1 / m_k"
+    )
+    new_cluster: Literal["members", "parent", "random"] = Field(
+        "members", description="a cluster that opens this round starts from the average of its members' models "
+        "(eq. 3), from the model its members came from, or from a fresh random model",
+    )
+    representation: Literal["last_layer", "all"] = Field(
+        "last_layer", description="what the sampler clusters: the final layer's weights and bias (the paper), or "
+        "every parameter",
+    )
+
+
+class FeSEMConfig(Strict):
+    """FeSEM (Long et al. 2023): k centres in parameter space, nearest-centre assignment, weighted averages."""
+
+    representation: Literal["last_layer", "all"] = Field(
+        "last_layer", description="the L2 distance over the final layer (as DPMM-CFL clusters) or every parameter"
+    )
+    iterations: int = Field(10, ge=1, le=10_000, description="E/M passes per round (stops early when stable)")
+
+
 class RuntimeConfig(Strict):
     """Settings of the distributed runtime (`staleness` also decides what the simulator does with late messages)."""
 
@@ -184,18 +235,36 @@ class ExperimentConfig(Strict):
     fedspd: FedSPDConfig = Field(default_factory=FedSPDConfig)
     fedkmeans: FedKMeansConfig = Field(default_factory=FedKMeansConfig)
     distkmeans: DistKMeansConfig = Field(default_factory=DistKMeansConfig)
+    dpmm: DPMMConfig = Field(default_factory=DPMMConfig)
+    fesem: FeSEMConfig = Field(default_factory=FeSEMConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentConfig:
         if self.algorithm in ("dfca", "ifca", "fedspd") and len(self.data.rotations) < 1:
             raise ValueError("data.rotations must name at least one rotation")
-        if self.data.clients < self.clusters and self.algorithm in ("dfca", "ifca"):
+        if self.data.clients < self.clusters and self.algorithm in ("dfca", "ifca", "fesem"):
             raise ValueError(f"data.clients ({self.data.clients}) must be at least clusters ({self.clusters})")
         if self.topology.kind == "barabasi_albert" and self.topology.m >= self.data.clients:
             raise ValueError("topology.m must be smaller than data.clients")
         self._check_feature_vectors()
+        self._check_label_skew()
         return self
+
+    def _check_label_skew(self) -> None:
+        data = self.data
+        if data.partition == "rotation":
+            if data.groups is not None:
+                raise ValueError("data.groups: goes with data.partition dirichlet or class_split (rotation: clusters)")
+            return
+        if data.dataset in ("blobs", "femnist") or data.features == "projection":
+            raise ValueError(f"data.partition: {data.partition} splits a labelled image pool; data.dataset "
+                             f"{data.dataset!r} (features {data.features!r}) is not one")
+        if data.mixture:
+            raise ValueError(f"data.mixture: FedSPD's mixtures use rotations, not data.partition {data.partition}")
+        if (data.groups or self.clusters) > data.clients:
+            raise ValueError(f"data.groups: {data.groups or self.clusters} groups need at least as many clients "
+                             f"(data.clients is {data.clients})")
 
     def _check_feature_vectors(self) -> None:
         kmeans, data = self.algorithm in KMEANS_ALGORITHMS, self.data

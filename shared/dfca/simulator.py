@@ -169,7 +169,7 @@ class Simulation:
         """Model bytes put on the network: each message once per receiver."""
         size = WIRE_BYTES[self.ctx.cfg.runtime.payload_dtype]
         spec = self.side(ex.sender).payload(ex)
-        per_message = size * sum(math.prod(s.shape) for s in spec.values() if s.kind == "model")
+        per_message = size * sum(math.prod(out.tensors[n].shape[1:]) for n, s in spec.items() if s.kind == "model")
         if ex.sender == "server":
             return per_message * out.row.shape[0] * self.ctx.n
         if ex.receiver == "server":
@@ -236,7 +236,7 @@ def simulate(
     sim = Simulation(prepare(cfg, data))
     schedule = sim.schedule
     sample = torch.Generator().manual_seed(cfg.seed * 31 + 2)
-    watch = CollapseWatch(cfg.clusters)
+    watch = CollapseWatch(cfg.clusters if cfg.algorithm != "dpmm_cfl" else 1)  # DPMM-CFL infers K
     history: list[dict[str, Any]] = []
     for t in range(schedule.total_rounds):
         t0 = time.perf_counter()
@@ -255,8 +255,18 @@ def simulate(
                             time.perf_counter() - start, watch.warnings)
     summary["device"] = str(sim.ctx.device)
     summary.update(sim.run_metrics(final))
+    summary.update(last_rounds_means(history))
     models = (sim.server or sim.algorithm).final_models()
     return RunResult(history, summary, models, final.assigned.cpu(), sim.ctx.graph, sim, watch.warnings)
+
+
+def last_rounds_means(history: list[dict[str, Any]], rounds: int = 3) -> dict[str, float]:
+    """Accuracy and macro-F1 averaged over the last `rounds` records, as DPMM-CFL's paper reports them."""
+    last = history[-rounds:]
+    if not last or "macro_f1" not in last[-1]:
+        return {}
+    return {"test_accuracy_last3": sum(h["test_accuracy"] for h in last) / len(last),
+            "macro_f1_last3": sum(h["macro_f1"] for h in last) / len(last)}
 
 
 def build_summary(

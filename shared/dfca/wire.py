@@ -32,10 +32,20 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A payload tensor: its shape, and its kind on the wire (model: `runtime.payload_dtype`)."""
+    """A payload tensor: its shape, and its kind on the wire (model: `runtime.payload_dtype`).
+
+    `ragged`: the first dimension may be anything from 1 to shape[0] (a server's K_t cluster models, where K_t
+    changes from round to round); the rest of the shape is exact.
+    """
 
     shape: tuple[int, ...]
     kind: Literal["model", "float32", "float64", "int64"] = "model"
+    ragged: bool = False
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        if not self.ragged:
+            return shape == tuple(self.shape)
+        return len(shape) == len(self.shape) and 1 <= shape[0] <= self.shape[0] and shape[1:] == self.shape[1:]
 
 
 Spec = Mapping[str, TensorSpec]
@@ -129,8 +139,9 @@ def read_tensors(body: bytes, headers: Mapping[str, object], spec: Spec) -> dict
     out: dict[str, torch.Tensor] = {}
     for name, s in spec.items():
         t = tensors[name]
-        if tuple(t.shape) != tuple(s.shape):
-            raise PayloadRejected("shape", f"{name} has shape {tuple(t.shape)}, expected {tuple(s.shape)}")
+        if not s.fits(tuple(t.shape)):
+            expected = f"(1..{s.shape[0]}, {', '.join(map(str, s.shape[1:]))})" if s.ragged else str(tuple(s.shape))
+            raise PayloadRejected("shape", f"{name} has shape {tuple(t.shape)}, expected {expected}")
         if s.kind == "int64":
             if t.dtype != torch.int64:
                 raise PayloadRejected("dtype", f"{name} has dtype {t.dtype}, expected int64")

@@ -9,9 +9,12 @@ from __future__ import annotations
 from dfca.algorithms.base import Algorithm, Evaluation, Exchange, HostContext, Inbox, Outbox
 from dfca.algorithms.dfca import DFCA
 from dfca.algorithms.dfedavgm import DFedAvgM, LocalOnly
+from dfca.algorithms.dpmm_cfl import DPMMServer
 from dfca.algorithms.fedkmeans import DistKMeans, FedKMeans
 from dfca.algorithms.fedspd import FedSPD
+from dfca.algorithms.fesem import FeSEMServer
 from dfca.algorithms.ifca import IFCA, IFCAServer
+from dfca.algorithms.server_clustering import ClusteredClients
 
 CLIENTS: dict[str, type[Algorithm]] = {
     "dfca": DFCA,
@@ -21,8 +24,11 @@ CLIENTS: dict[str, type[Algorithm]] = {
     "local": LocalOnly,
     "fedkmeans": FedKMeans,
     "distkmeans": DistKMeans,
+    "dpmm_cfl": ClusteredClients,
+    "fesem": ClusteredClients,
 }
-SERVERS: dict[str, type[Algorithm]] = {"ifca": IFCAServer}  # central roles (the aggregator runs them)
+# central roles (the aggregator runs them)
+SERVERS: dict[str, type[Algorithm]] = {"ifca": IFCAServer, "dpmm_cfl": DPMMServer, "fesem": FeSEMServer}
 
 
 def clients_of(ctx: HostContext) -> Algorithm:

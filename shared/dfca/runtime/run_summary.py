@@ -27,7 +27,7 @@ from dfca.data import FederatedData, build_federated_data
 from dfca.evaluation import assignment_counts, cluster_accuracy, cluster_ari, populated_clusters
 from dfca.graph import build_graph, neighbours
 from dfca.runtime.metrics_store import StoredExperiment, StoredReport
-from dfca.simulator import build_summary
+from dfca.simulator import build_summary, last_rounds_means
 
 COUNTED_STATS = ("published", "applied", "ignored", "duplicates", "stale_dropped", "stale_merged", "not_neighbour",
                  "timeouts")
@@ -172,6 +172,7 @@ def summarize(
                    "wall_seconds": wall, "seconds_per_round": None}
     summary.update(mixture_fields(final))
     summary.update(algorithm_metrics(cfg, final))
+    summary.update(last_rounds_means([r for r in rounds if "test_accuracy" in r]))
     incarnations: dict[int, set[str]] = defaultdict(set)
     for event in worker_events:
         incarnations[event["worker"]].add(event["incarnation"])
