@@ -21,13 +21,12 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import time
-from multiprocessing import Pool
 from pathlib import Path
 from typing import Any
 
 import matplotlib
+from resumable_runs import commit, load_runs, run_pending
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -150,14 +149,6 @@ def figures(runs: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=10)
@@ -167,22 +158,12 @@ def main() -> None:
     ap.add_argument("--results", type=Path, default=Path("runs/fedkmeans/runs.jsonl"))
     ap.add_argument("--render", action="store_true")
     args = ap.parse_args()
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    done = [json.loads(line) for line in args.results.read_text().splitlines()] if args.results.exists() else []
+    done = load_runs(args.results)
     have = {key_of(r) for r in done}
     todo = [{**k, "iterations": args.iterations} for k in grid(args.runs)]
     todo = [k for k in todo if key_of(k) not in have]
-    if not args.render and todo:
-        load = os.getloadavg()[0]
-        print(f"{len(todo)} runs to do ({len(have)} done), {args.processes} processes, load {load:.2f}", flush=True)
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        with Pool(args.processes) as pool, args.results.open("a") as log:
-            for i, result in enumerate(pool.imap_unordered(one_run, todo), 1):
-                log.write(json.dumps(result) + "\n")
-                log.flush()
-                done.append(result)
-                if i % 50 == 0:
-                    print(f"  {i}/{len(todo)}", flush=True)
+    if not args.render:
+        done += run_pending(todo, one_run, args.results, args.processes)
     runs = [r for r in done if r["iterations"] == args.iterations and r["seed"] < args.runs]
     args.out.mkdir(parents=True, exist_ok=True)
     figures(runs, args.out / "fedkmeans_figures.png")

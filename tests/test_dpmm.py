@@ -3,15 +3,20 @@ FedAvg, the label-skew partitions, cluster recovery, and what the config and the
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import yaml
+from typer.testing import CliRunner
 
+from dfca.cli import app
 from dfca.config import ConfigError, parse_config
 from dfca.core.dpmm import DPMMSampler, NormalNormal, canonical, crp_log_prior
 from dfca.data import build_federated_data
@@ -103,7 +108,7 @@ def test_a_wrong_acceptance_ratio_is_caught() -> None:
 
 def small(algorithm: str, **overrides: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "algorithm": algorithm, "clusters": 3, "rounds": 8, "seed": 0,
+        "algorithm": algorithm, "clusters": 3, "rounds": 6, "seed": 0,
         "data": {"partition": "dirichlet", "groups": 3, "clients": 30, "train_per_client": 50,
                  "test_per_client": 20},
         "model": {"kind": "mlp", "hidden": 64},
@@ -187,3 +192,18 @@ def test_the_servers_ragged_models_are_checked_on_the_wire() -> None:
     for bad in (torch.ones(5, 3), torch.ones(2, 4), torch.ones(0, 3)):
         with pytest.raises(PayloadRejected, match="shape"):
             roundtrip(bad)
+
+
+def test_dfca_run_writes_k_f1_and_acceptance_plots(tmp_path: Path) -> None:
+    """`dfca run` on a DPMM-CFL config: its summary table, and plots of K_t, macro-F1 and the acceptance rates."""
+    config = tmp_path / "dpmm.yaml"
+    config.write_text(yaml.safe_dump(small("dpmm_cfl", rounds=3, data={"clients": 12, "groups": 2})))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["run", str(config), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "inferred_clusters" in result.output and "macro_f1_last3" in result.output
+    for plot in ("accuracy.png", "macro_f1.png", "ari.png", "clusters.png", "split_acceptance.png",
+                 "merge_acceptance.png"):
+        assert (out / plot).stat().st_size > 0, plot
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["inferred_clusters"] == len(list((out / "models").glob("cluster_*.safetensors")))

@@ -47,6 +47,9 @@ def results_table(summary: dict[str, Any]) -> Table:
     if "gcd" in summary:  # a k-means run clusters points: its own metrics first
         keys = ("gcd", "cv", "point_ari", "objective", "centralised_loss", "test_accuracy", "rounds",
                 "seconds_per_round", "wall_seconds")
+    if "inferred_clusters" in summary:  # DPMM-CFL, FeSEM: K, and the paper's last-3-round means
+        keys = ("inferred_clusters", "test_accuracy", "macro_f1", "test_accuracy_last3", "macro_f1_last3",
+                "cluster_ari", "rounds", "seconds_per_round", "wall_seconds")
     for key in keys:
         value = summary[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
@@ -178,6 +181,8 @@ def up(
 def round_status(record: dict[str, Any]) -> str:
     if "gcd" in record:  # k-means: how far the nodes are from the centralised solution and from each other
         return f"GCD {record['gcd']:.2e} CV {record['cv']:.2e}"
+    if "inferred_clusters" in record:
+        return f"K {record['inferred_clusters']:.0f} acc {record['test_accuracy']:.3f} F1 {record['macro_f1']:.3f}"
     return f"acc {record['test_accuracy']:.3f} ARI {record['ari']:.2f}"
 
 

@@ -53,6 +53,14 @@ PLOTS = (  # key, label, file, log scale
     ("ari", "cluster ARI", "ari.png", False),
     ("populated_clusters", "populated clusters", "clusters.png", False),
 )
+SERVER_CLUSTERING_PLOTS = (  # DPMM-CFL and FeSEM: K_t, macro-F1 and (DPMM-CFL) the sampler's acceptance rates
+    ("test_accuracy", "test micro-accuracy (clients' mean)", "accuracy.png", False),
+    ("macro_f1", "test macro-F1 (clients' mean)", "macro_f1.png", False),
+    ("ari", "cluster ARI against the true groups", "ari.png", False),
+    ("inferred_clusters", "clusters K_t", "clusters.png", False),
+    ("split_acceptance", "split-merge: splits accepted / proposed", "split_acceptance.png", False),
+    ("merge_acceptance", "split-merge: merges accepted / proposed", "merge_acceptance.png", False),
+)
 KMEANS_PLOTS = (
     ("gcd", "global centroid deviation (GCD, eq. 12)", "gcd.png", True),
     ("cv", "consensus variation (CV, eq. 12)", "cv.png", True),
@@ -62,13 +70,19 @@ KMEANS_PLOTS = (
 
 def plot_history(out: Path, history: list[dict[str, Any]], title: str, seeding_rounds: int = 0) -> list[Path]:
     """accuracy.png and ari.png against rounds, plus clusters.png (populated clusters); for a k-means run gcd.png
-    and cv.png (log scale) and accuracy.png.
+    and cv.png (log scale) and accuracy.png; for DPMM-CFL and FeSEM also macro_f1.png and (DPMM-CFL) the sampler's
+    acceptance rates.
 
     Robust DFCA's seeding rounds (no training) are shaded.
     """
     rounds = [h["round"] for h in history]
     paths = []
-    for key, label, fname, log_scale in KMEANS_PLOTS if history and "gcd" in history[0] else PLOTS:
+    plots = PLOTS
+    if history and "gcd" in history[0]:
+        plots = KMEANS_PLOTS
+    elif history and "macro_f1" in history[0]:
+        plots = tuple(p for p in SERVER_CLUSTERING_PLOTS if p[0] in history[0])
+    for key, label, fname, log_scale in plots:
         fig, ax = plt.subplots(figsize=(6, 4))
         if seeding_rounds:
             ax.axvspan(0, seeding_rounds, color="0.9", label="seeding (no training)")
@@ -80,7 +94,7 @@ def plot_history(out: Path, history: list[dict[str, Any]], title: str, seeding_r
         ax.set_title(f"{title}: {label}")
         if log_scale:
             ax.set_yscale("log")
-        elif key != "populated_clusters":
+        elif key not in ("populated_clusters", "inferred_clusters"):
             ax.set_ylim(min(0.0, min(h[key] for h in history)), 1.02)
         ax.grid(alpha=0.3)
         fig.tight_layout()

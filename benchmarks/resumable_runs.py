@@ -1,0 +1,47 @@
+"""What the sweep benchmarks share: a results file that every finished run is appended to (so a sweep resumes
+where it stopped), a process pool with one BLAS thread per process, and the commit a table names."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Callable
+from multiprocessing import Pool
+from pathlib import Path
+from typing import Any
+
+Run = dict[str, Any]
+
+
+def load_runs(results: Path) -> list[Run]:
+    return [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
+
+
+def run_pending(todo: list[Run], one_run: Callable[[Run], Run], results: Path, processes: int,
+                describe: Callable[[Run], str] | None = None) -> list[Run]:
+    """Run every spec of `todo` on `processes` processes, appending each result to `results` as it finishes."""
+    if not todo:
+        return []
+    print(f"{len(todo)} runs to do, {processes} processes, load {os.getloadavg()[0]:.2f}", flush=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    results.parent.mkdir(parents=True, exist_ok=True)
+    finished = []
+    with Pool(processes) as pool, results.open("a") as log:
+        for i, result in enumerate(pool.imap_unordered(one_run, todo), 1):
+            log.write(json.dumps(result) + "\n")
+            log.flush()
+            finished.append(result)
+            if describe is not None:
+                print(f"  {i}/{len(todo)} {describe(result)}", flush=True)
+            elif i % 50 == 0:
+                print(f"  {i}/{len(todo)}", flush=True)
+    return finished
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
