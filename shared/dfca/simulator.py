@@ -169,7 +169,8 @@ class Simulation:
         """Model bytes put on the network: each message once per receiver."""
         size = WIRE_BYTES[self.ctx.cfg.runtime.payload_dtype]
         spec = self.side(ex.sender).payload(ex)
-        per_message = size * sum(math.prod(out.tensors[n].shape[1:]) for n, s in spec.items() if s.kind == "model")
+        per_message = size * sum(math.prod(out.tensors[n].shape[1:] if s.ragged else s.shape)  # ragged: as sent
+                                 for n, s in spec.items() if s.kind == "model")
         if ex.sender == "server":
             return per_message * out.row.shape[0] * self.ctx.n
         if ex.receiver == "server":
