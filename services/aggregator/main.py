@@ -21,7 +21,7 @@ from dfca.runtime.event_consumer import QueueConsumer
 from dfca.runtime.http_service import add_health_routes, serve
 from dfca.runtime.messages import GoCommand, StartCommand, StopCommand, TopologyChange, decode_control
 from dfca.runtime.structured_logs import configure_logging
-from dfca.runtime.worker_agent import spec_from_rest
+from dfca.runtime.worker_agent import running_specs
 from dfca.settings import ServiceSettings
 from dfca.topics import ALL_EVENTS, aggregator_control_queue, deployment_tag
 from dfca.transport import connect_transport
@@ -58,19 +58,10 @@ class Aggregator:
         assert self.topology_url
         while not self.stopping.is_set():
             try:
-                with httpx.Client(base_url=self.topology_url, timeout=5.0) as client:
-                    listing = client.get("/experiments").raise_for_status().json()
-                    for item in listing:
-                        if item["status"] != "running":
-                            continue
-                        detail = client.get(f"/experiments/{item['id']}").raise_for_status().json()
-                        if detail["config"].get("algorithm") not in CENTRAL_ROLES:
-                            continue
-                        topo = client.get(f"/experiments/{item['id']}/topology").raise_for_status().json()
-                        spec = spec_from_rest(self.deployment, 0, detail, topo)
-                        self.handle(StartCommand(deployment=self.deployment, experiment=spec.experiment,
-                                                 config=spec.config, workers=spec.workers, neighbours=spec.neighbours,
-                                                 topology_version=spec.topology_version))
+                for spec in running_specs(self.topology_url, self.deployment, 0, algorithms=CENTRAL_ROLES):
+                    self.handle(StartCommand(deployment=self.deployment, experiment=spec.experiment,
+                                             config=spec.config, workers=spec.workers, neighbours=spec.neighbours,
+                                             topology_version=spec.topology_version))
                 return
             except (httpx.HTTPError, ValueError, KeyError) as err:
                 log.info("topology service not reachable yet (%s); retrying", err)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from dfca.algorithms.base import HostContext
-from dfca.algorithms.server_clustering import ClusteringServer, generator_for, representation_names
+from dfca.algorithms.server_clustering import ClusteringServer, generator_for, representation
 
 
 class FeSEMServer(ClusteringServer):
@@ -45,7 +45,7 @@ class FeSEMServer(ClusteringServer):
             models = {n: v.clone() for n, v in self.models.items()}
         assignment = None
         for _ in range(o.iterations):
-            centres = self.centres(models, o.representation)
+            centres = representation(self.ctx.model, models, o.representation)
             new = torch.cdist(r, centres).argmin(1)
             if assignment is not None and torch.equal(new, assignment):
                 break
@@ -56,7 +56,3 @@ class FeSEMServer(ClusteringServer):
                 models[n] = torch.where(empty.view(-1, *([1] * (models[n].dim() - 1))), models[n], averaged[n])
         assert assignment is not None
         self.assignment, self.models = assignment, models
-
-    def centres(self, models: dict[str, torch.Tensor], which: str) -> torch.Tensor:
-        names = representation_names(self.ctx.model, which)
-        return torch.cat([models[n].flatten(1) for n in names], 1).double()

@@ -60,10 +60,11 @@ def initial_model(ctx: HostContext) -> Params:
     return {n: v[0].to(ctx.device) for n, v in ctx.model.init(1, torch.Generator().manual_seed(ctx.cfg.seed)).items()}
 
 
-def representation_names(model: BatchedModel, which: str) -> list[str]:
-    """The parameters a server clusters on: the final layer's weight and bias (the last two), or all."""
+def representation(model: BatchedModel, params: Params, which: str) -> Tensor:
+    """[rows, d] float64: what a server clusters on, the final layer's weight and bias (the model's last two
+    parameters) or every parameter, flattened."""
     names = list(model.shapes())
-    return names[-2:] if which == "last_layer" else names
+    return torch.cat([params[n].flatten(1) for n in (names[-2:] if which == "last_layer" else names)], 1).double()
 
 
 @torch.no_grad()
@@ -210,8 +211,7 @@ class ClusteringServer(Algorithm):
 
     def representation(self, which: str) -> Tensor:
         """[N, d] float64: what the clustering sees of every client's upload."""
-        names = representation_names(self.ctx.model, which)
-        return torch.cat([self.uploads[n].flatten(1) for n in names], 1).double()
+        return representation(self.ctx.model, self.uploads, which)
 
     def average(self, assignment: Tensor, clusters: int, weighting: str = "samples") -> Params:
         """Eq. (3): Omega_k = sum_{i: c_i = k} (n_i / N_k) omega_i ("uniform": Algorithm 1's 1 / m_k)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -163,15 +163,8 @@ class WorkerAgent:
 
     def _recover(self) -> None:
         assert self.topology_url
-        with httpx.Client(base_url=self.topology_url, timeout=5.0) as client:
-            listing = client.get("/experiments")
-            listing.raise_for_status()
-            for item in listing.json():
-                if item["status"] != "running":
-                    continue
-                detail = client.get(f"/experiments/{item['id']}").raise_for_status().json()
-                topo = client.get(f"/experiments/{item['id']}/topology").raise_for_status().json()
-                self._launch(spec_from_rest(self.deployment, self.ordinal, detail, topo, self.device))
+        for spec in running_specs(self.topology_url, self.deployment, self.ordinal, self.device):
+            self._launch(spec)
 
     def _status(self, experiment: str) -> str | None:
         """The experiment's status per the topology service; None when it cannot be asked."""
@@ -185,6 +178,22 @@ class WorkerAgent:
 
     def ready(self) -> bool:
         return self.recovered.is_set() and not self.stopping.is_set()
+
+
+def running_specs(topology_url: str, deployment: str, ordinal: int, device: str | None = None,
+                  algorithms: Collection[str] | None = None) -> list[RunSpec]:
+    """The experiments the topology service says are running (of `algorithms`, when given), as run specs."""
+    specs = []
+    with httpx.Client(base_url=topology_url, timeout=5.0) as client:
+        for item in client.get("/experiments").raise_for_status().json():
+            if item["status"] != "running":
+                continue
+            detail = client.get(f"/experiments/{item['id']}").raise_for_status().json()
+            if algorithms is not None and detail["config"].get("algorithm") not in algorithms:
+                continue
+            topo = client.get(f"/experiments/{item['id']}/topology").raise_for_status().json()
+            specs.append(spec_from_rest(deployment, ordinal, detail, topo, device))
+    return specs
 
 
 def spec_from_rest(deployment: str, ordinal: int, detail: dict[str, Any], topo: dict[str, Any],
