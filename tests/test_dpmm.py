@@ -207,3 +207,23 @@ def test_dfca_run_writes_k_f1_and_acceptance_plots(tmp_path: Path) -> None:
         assert (out / plot).stat().st_size > 0, plot
     summary = json.loads((out / "summary.json").read_text())
     assert summary["inferred_clusters"] == len(list((out / "models").glob("cluster_*.safetensors")))
+
+
+def test_a_download_naming_a_cluster_it_does_not_carry_is_ignored() -> None:
+    """The wire checks shapes; the clients check that c^t names only the K_t models the message carries."""
+    from dfca.algorithms import Inbox
+    from dfca.simulator import Simulation, prepare
+
+    sim = Simulation(prepare(parse_config(small("dpmm_cfl", data={"clients": 6, "groups": 2}))))
+    clients = sim.algorithm
+    before = {n: v.clone() for n, v in clients.params.items()}  # type: ignore[attr-defined]
+    models = {f"models.{n}": v[:1].unsqueeze(0) for n, v in before.items()}  # K_t = 1 model
+    for bad in (7, -1):
+        inbox = Inbox(torch.ones(6, 1, dtype=torch.bool), torch.tensor([-1]), torch.tensor([0]),
+                      {**models, "assignment": torch.full((1, 6), bad), "chain": torch.zeros(1, 4)}, 0)
+        assert clients.receive(clients.exchanges(0)[1], inbox) == 0
+    for n, v in clients.params.items():  # type: ignore[attr-defined]
+        assert torch.equal(v, before[n])
+    good = Inbox(torch.ones(6, 1, dtype=torch.bool), torch.tensor([-1]), torch.tensor([0]),
+                 {**models, "assignment": torch.zeros(1, 6, dtype=torch.long), "chain": torch.zeros(1, 4)}, 0)
+    assert clients.receive(clients.exchanges(0)[1], good) == 6

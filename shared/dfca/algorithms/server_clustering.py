@@ -16,7 +16,7 @@ routing part. Everyone starts in cluster 0 with one seeded random model (K_0 = 1
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,7 +85,6 @@ class ClusteredClients(Algorithm):
     """Clients that train their cluster's model and take their cluster, and its model, from the server."""
 
     links = frozenset({"server"})
-    metric_names: ClassVar[tuple[str, ...]] = ("inferred_clusters", "macro_f1")
 
     def __init__(self, ctx: HostContext) -> None:
         super().__init__(ctx)
@@ -125,6 +124,9 @@ class ClusteredClients(Algorithm):
                 continue
             ids = torch.as_tensor(self.ctx.clients, device=self.ctx.device)[rows]
             cluster = inbox.tensors["assignment"][s].to(self.ctx.device)[ids]
+            clusters = inbox.tensors[f"models.{next(iter(self.params))}"].shape[1]  # K_t: the models it carries
+            if bool((cluster < 0).any() or (cluster >= clusters).any()):
+                continue  # an assignment that names a model the message does not carry: not the server's
             for n in self.params:
                 self.params[n][rows] = inbox.tensors[f"models.{n}"][s].to(self.ctx.device)[cluster]
             self.cluster[rows] = cluster
