@@ -62,13 +62,20 @@ def _shards(config_json: str) -> FederatedData:
     return build_federated_data(ExperimentConfig.model_validate_json(config_json))
 
 
+@lru_cache(maxsize=4)
+def _graph(config_json: str) -> dict[int, list[int]]:
+    cfg = ExperimentConfig.model_validate_json(config_json)
+    return neighbours(build_graph(cfg.topology, cfg.data.clients, cfg.seed))
+
+
 def algorithm_metrics(cfg: ExperimentConfig, report: dict[str, list[Any]]) -> dict[str, float]:
-    """`Algorithm.run_metrics` over the reported clients (the graph the config draws; data built, once, on demand)."""
+    """`Algorithm.run_metrics` over the reported clients (the graph the config draws, built once per config; data
+    built, once, on demand)."""
     algorithm = CLIENTS.get(cfg.algorithm)
     if algorithm is None or not report.get("clients"):
         return {}
-    graph = neighbours(build_graph(cfg.topology, cfg.data.clients, cfg.seed))
-    return algorithm.run_metrics(cfg, report, lambda: _shards(cfg.model_dump_json()), graph)
+    key = cfg.model_dump_json()
+    return algorithm.run_metrics(cfg, report, lambda: _shards(key), _graph(key))
 
 
 def clustering_metrics(ev: dict[str, list[Any]], k: int) -> dict[str, Any]:
