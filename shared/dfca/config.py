@@ -8,10 +8,13 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-AlgorithmName = Literal["dfca", "ifca", "dfedavgm", "fedspd", "local", "fedkmeans", "distkmeans", "dpmm_cfl", "fesem"]
+AlgorithmName = Literal["dfca", "ifca", "dfedavgm", "fedspd", "local", "fedkmeans", "distkmeans", "dpmm_cfl", "fesem",
+                        "fedcref"]
 ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
 KMEANS_ALGORITHMS = ("fedkmeans", "distkmeans")  # they cluster feature vectors, not clients
 SERVER_CLUSTERING = ("dpmm_cfl", "fesem")  # a server clusters the clients by their uploaded models
+MAX_FEDCREF_CLIENTS = 1000
+MAX_CATEGORIES_PER_CLIENT = 63  # a client's clusters travel as the bits of an int64 (algorithms.fedcref)
 
 
 class Strict(BaseModel):
@@ -39,9 +42,21 @@ class DataConfig(Strict):
         "none", description="projection: every image becomes its fixed random projection to R^feature_dim"
     )
     feature_dim: int = Field(2, ge=1, le=4096, description="blobs and projection: the dimension d of a point")
-    partition: Literal["rotation", "dirichlet", "class_split"] = Field(
+    partition: Literal["rotation", "dirichlet", "class_split", "categories"] = Field(
         "rotation", description="rotation: cluster j is the data rotated by rotations[j]; dirichlet, class_split: "
-        "label skew with data.groups groups (DPMM-CFL Sec. 4.1, dfca.data.label_skew)",
+        "label skew with data.groups groups (DPMM-CFL Sec. 4.1, dfca.data.label_skew); categories: every client "
+        "holds K_i whole categories (classes), FedCRef's setting (dfca.data.categories; algorithm fedcref sets it)",
+    )
+    categories_per_client: tuple[int, int] | None = Field(
+        None, description="categories: K_i is drawn uniformly in [low, high] (None: [2, classes // 2], the paper's)"
+    )
+    samples_per_category: int = Field(
+        500, ge=1, le=100_000, description="categories: S, samples of each of a client's categories (fewer when the "
+        "pool is too small for disjoint shards: the largest S that fits, logged)",
+    )
+    overlap: float = Field(
+        0.0, ge=0.0, lt=1.0, description="categories: share of S that every holder of a category has in common "
+        "(FedCRef's overlap O)",
     )
     groups: int | None = Field(
         None, ge=1, le=1000, description="dirichlet, class_split: the true number of groups (None: clusters)"
@@ -199,6 +214,36 @@ class FeSEMConfig(Strict):
     iterations: int = Field(10, ge=1, le=10_000, description="E/M passes per round (stops early when stable)")
 
 
+class FedCRefConfig(Strict):
+    """FedCRef (Nardi, Valerio and Passarella; algorithms.fedcref): cluster-wise federated autoencoders."""
+
+    init: Literal["dirty", "kmeans"] = Field(
+        "dirty", description="the initial local clustering: dirty, the true categories with each sample moved to a "
+        "wrong cluster with probability `dirtiness` (Tables 3-4); kmeans, k-means on a local autoencoder's codes",
+    )
+    dirtiness: float = Field(0.3, ge=0.0, le=1.0, description="dirty: probability a sample starts in a wrong cluster")
+    percentile: float = Field(75.0, gt=0.0, le=100.0, description="alpha of eq. (2), in percent")
+    scale: Literal["errors", "differences"] = Field(
+        "errors", description="what normalises eq. (2)'s absolute differences to [0, 1]: the min-max range of both "
+        "error vectors (the default), or the differences' own range as printed (it rarely associates here: "
+        "docs/fedcref.md)",
+    )
+    theta: float = Field(0.2, ge=0.0, le=1.0, description="theta of eq. (2): the association threshold")
+    tau: float = Field(0.8, ge=0.0, le=1.0, description="a client stops training and refining once the ACC between "
+                       "its consecutive labellings reaches tau")
+    layers: list[int] = Field(default_factory=lambda: [100, 64, 32], min_length=1, max_length=8,
+                              description="encoder widths; the decoder mirrors them (d-100-64-32-64-100-d)")
+    lr: float = Field(1e-3, gt=0.0, le=1.0, description="Adam's learning rate")
+    batch_size: int = Field(32, ge=1, le=100_000)
+    local_epochs: int = Field(10, ge=0, le=10_000,
+                              description="epochs that train each local cluster model per iteration")
+    fedavg_rounds: int = Field(15, ge=0, le=1000, description="FedAvg rounds that train each community model")
+    fedavg_epochs: int = Field(1, ge=1, le=1000, description="local epochs of a community member per FedAvg round")
+    stable_iterations: int = Field(3, ge=1, le=1000, description="the run stops when the number of communities and "
+                                   "of isolated clusters changed by at most `stable_change` over this many iterations")
+    stable_change: float = Field(0.1, ge=0.0, le=1.0)
+
+
 class RuntimeConfig(Strict):
     """Settings of the distributed runtime (`staleness` also decides what the simulator does with late messages)."""
 
@@ -237,7 +282,22 @@ class ExperimentConfig(Strict):
     distkmeans: DistKMeansConfig = Field(default_factory=DistKMeansConfig)
     dpmm: DPMMConfig = Field(default_factory=DPMMConfig)
     fesem: FeSEMConfig = Field(default_factory=FeSEMConfig)
+    fedcref: FedCRefConfig = Field(default_factory=FedCRefConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fedcref_setting(cls, data: Any) -> Any:
+        """algorithm: fedcref implies its setting unless the config names another: data.partition: categories and
+        topology.kind: complete (the all-to-all exchange of Algorithm 1)."""
+        if not isinstance(data, dict) or data.get("algorithm") != "fedcref":
+            return data
+        out = dict(data)
+        for section, key, value in (("data", "partition", "categories"), ("topology", "kind", "complete")):
+            given = out.get(section, {})
+            if isinstance(given, dict) and key not in given:
+                out[section] = {**given, key: value}
+        return out
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentConfig:
@@ -249,7 +309,33 @@ class ExperimentConfig(Strict):
             raise ValueError("topology.m must be smaller than data.clients")
         self._check_feature_vectors()
         self._check_label_skew()
+        self._check_categories()
         return self
+
+    def _check_categories(self) -> None:
+        data, fedcref = self.data, self.algorithm == "fedcref"
+        if fedcref != (data.partition == "categories"):
+            raise ValueError("data.partition: categories is FedCRef's setting and FedCRef needs it (algorithm: "
+                             f"{self.algorithm}, data.partition: {data.partition})")
+        if not fedcref:
+            if data.categories_per_client is not None:
+                raise ValueError("data.categories_per_client: goes with data.partition: categories")
+            return
+        if self.topology.kind != "complete":
+            raise ValueError("topology.kind: fedcref exchanges models all-to-all (Algorithm 1, line 9): use complete")
+        if self.network.message_loss or self.network.message_delay:
+            raise ValueError("network.message_loss: fedcref needs every model and association of an iteration "
+                             "(set network.message_loss and message_delay to 0)")
+        if data.clients > MAX_FEDCREF_CLIENTS:
+            raise ValueError(f"data.clients: fedcref compares every pair of clusters, O((sum K_i)^2) per iteration; "
+                             f"at most {MAX_FEDCREF_CLIENTS} clients")
+        if data.features != "none":
+            raise ValueError("data.features: fedcref's autoencoders reconstruct images (use none)")
+        if data.categories_per_client is not None:
+            low, high = data.categories_per_client
+            if not 1 <= low <= high <= MAX_CATEGORIES_PER_CLIENT:
+                raise ValueError(f"data.categories_per_client: need 1 <= low <= high <= {MAX_CATEGORIES_PER_CLIENT}, "
+                                 f"got [{low}, {high}]")
 
     def _check_label_skew(self) -> None:
         data = self.data
@@ -262,6 +348,10 @@ class ExperimentConfig(Strict):
                              f"{data.dataset!r} (features {data.features!r}) is not one")
         if data.mixture:
             raise ValueError(f"data.mixture: FedSPD's mixtures use rotations, not data.partition {data.partition}")
+        if data.partition == "categories":
+            if data.groups is not None:
+                raise ValueError("data.groups: categories draws K_i per client (data.categories_per_client)")
+            return
         if (data.groups or self.clusters) > data.clients:
             raise ValueError(f"data.groups: {data.groups or self.clusters} groups need at least as many clients "
                              f"(data.clients is {data.clients})")

@@ -169,13 +169,24 @@ class Simulation:
         """Model bytes put on the network: each message once per receiver."""
         size = WIRE_BYTES[self.ctx.cfg.runtime.payload_dtype]
         spec = self.side(ex.sender).payload(ex)
-        per_message = size * sum(math.prod(out.tensors[n].shape[1:] if s.ragged else s.shape)  # ragged: as sent
-                                 for n, s in spec.items() if s.kind == "model")
+        messages = out.row.shape[0]
+        per_message = torch.zeros(messages, dtype=torch.float64)
+        for name, s in spec.items():
+            if s.kind != "model":
+                continue
+            if not s.ragged:
+                per_message += math.prod(s.shape)
+                continue
+            shape = out.tensors[name].shape  # [S, rows as sent, ...]; `lengths` trims the padding
+            rows = out.lengths.double().cpu() if out.lengths is not None else torch.full((messages,), float(shape[1]))
+            per_message += rows * math.prod(shape[2:])
+        per_message *= size
         if ex.sender == "server":
-            return per_message * out.row.shape[0] * self.ctx.n
+            return float(per_message.sum()) * self.ctx.n
         if ex.receiver == "server":
-            return float(per_message * out.row.shape[0])
-        return per_message * float(self.ctx.adjacency[out.row].sum())
+            return float(per_message.sum())
+        receivers = self.ctx.adjacency[out.row].sum(1).double().cpu()
+        return float((per_message * receivers).sum())
 
 
 @dataclass
@@ -250,6 +261,14 @@ def simulate(
             history.append(record)
             if on_round is not None:
                 on_round(record)
+        if sim.algorithm.finished:
+            if not history or history[-1]["round"] != t + 1:
+                record = round_record(sim, t, sample)
+                record.update(seconds=time.perf_counter() - t0, phase=schedule.phase(t), warnings=[])
+                history.append(record)
+                if on_round is not None:
+                    on_round(record)
+            break
     final = sim.algorithm.evaluate()
     truth = sim.ctx.data.true_cluster.cpu()
     summary = build_summary(cfg, history, final.test_accuracy.cpu(), final.assigned.cpu(), truth,

@@ -10,6 +10,7 @@ from dfca.algorithms.base import Algorithm, Evaluation, Exchange, HostContext, I
 from dfca.algorithms.dfca import DFCA
 from dfca.algorithms.dfedavgm import DFedAvgM, LocalOnly
 from dfca.algorithms.dpmm_cfl import DPMMServer
+from dfca.algorithms.fedcref import FedCRef
 from dfca.algorithms.fedkmeans import DistKMeans, FedKMeans
 from dfca.algorithms.fedspd import FedSPD
 from dfca.algorithms.fesem import FeSEMServer
@@ -26,6 +27,7 @@ CLIENTS: dict[str, type[Algorithm]] = {
     "distkmeans": DistKMeans,
     "dpmm_cfl": ClusteredClients,
     "fesem": ClusteredClients,
+    "fedcref": FedCRef,
 }
 # central roles (the aggregator runs them)
 SERVERS: dict[str, type[Algorithm]] = {"ifca": IFCAServer, "dpmm_cfl": DPMMServer, "fesem": FeSEMServer}

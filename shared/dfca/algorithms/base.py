@@ -91,10 +91,12 @@ class Outbox:
     row: Tensor  # [S] long
     part: Tensor  # [S] long
     tensors: Mapping[str, Tensor]
+    lengths: Tensor | None = None  # [S] long: rows of each message's ragged tensors (the rest is padding)
 
     def frozen(self) -> Outbox:
         """A copy that later changes of the senders' state do not reach (for messages delivered late)."""
-        return Outbox(self.row.clone(), self.part.clone(), {n: self.tensors[n].clone() for n in self.tensors})
+        lengths = None if self.lengths is None else self.lengths.clone()
+        return Outbox(self.row.clone(), self.part.clone(), {n: self.tensors[n].clone() for n in self.tensors}, lengths)
 
 
 @dataclass
@@ -185,6 +187,11 @@ class Algorithm(ABC):
     def final_models(self) -> dict[str, Params]:
         """Named single models to save (no client dimension)."""
         return {}
+
+    @property
+    def finished(self) -> bool:
+        """The algorithm met its own stopping rule (FedCRef's); both drivers end the run after this round."""
+        return False
 
     def set_graph(self, graph: Graph) -> None:
         """The communication graph changed (FedSPD's dynamic network)."""

@@ -19,7 +19,8 @@ train (and test) samples come from its primary distribution (its cluster) and th
 `train_distribution` / `test_distribution` the distribution of every sample.
 
 Label skew (`data.partition: dirichlet | class_split`, DPMM-CFL's partitions): no rotation; clients fall into
-`data.groups` groups that differ in their class mixtures (dfca.data.label_skew).
+`data.groups` groups that differ in their class mixtures (dfca.data.label_skew). `data.partition: categories`
+(FedCRef's setting): every client holds K_i whole classes, S samples each (dfca.data.categories).
 
 Datasets (`data.dataset`) and where their files go. Nothing is ever downloaded; a missing file raises
 FileNotFoundError naming the files expected in the folder `data.root`.
@@ -50,6 +51,7 @@ import torch
 from dfca.config import DataConfig, ExperimentConfig
 from dfca.data import features
 from dfca.data.bundled import BUNDLED_MNIST_CLASSES, DIGITS_CLASSES, load_digits, load_mnist_bundled
+from dfca.data.categories import category_data
 from dfca.data.cifar10 import load_cifar10
 from dfca.data.femnist import load_femnist
 from dfca.data.idx import load_emnist, load_mnist
@@ -108,7 +110,7 @@ def label_skew(cfg: ExperimentConfig) -> FederatedData:
     if not isinstance(source, PooledSource):
         raise ValueError(f"data.partition: {cfg.data.partition} splits a pooled dataset; {cfg.data.dataset} comes "
                          "partitioned by writer already")
-    return label_skew_data(cfg, source)
+    return category_data(cfg, source) if cfg.data.partition == "categories" else label_skew_data(cfg, source)
 
 
 def client_images(cfg: ExperimentConfig) -> FederatedData:

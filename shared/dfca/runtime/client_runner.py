@@ -255,7 +255,8 @@ class ClientRunner:
             driver.save_checkpoint(self.checkpoint)
             transport.flush_acks()
             self.status.rounds_done = t + 1
-            evaluate = (t + 1) % cfg.eval_every == 0 or t + 1 == total
+            finished = driver.algorithm.finished  # its own stopping rule (FedCRef's): this round is the last
+            evaluate = (t + 1) % cfg.eval_every == 0 or t + 1 == total or finished
             self.emit(RoundReport(
                 deployment=self.spec.deployment, experiment=self.spec.experiment, worker=self.spec.ordinal,
                 incarnation=self.incarnation, round=t + 1, clients=driver.ids, complete=complete,
@@ -263,6 +264,8 @@ class ClientRunner:
                 stats=driver.stats.as_dict(), lag_seconds=transport.take_lag(),
                 bytes_published=transport.take_bytes_published(), dead_neighbours=sorted(driver.liveness.dead),
             ))
+            if finished:
+                break
 
     def _apply_control(self, driver: MessageDriver, t: int) -> None:
         """Topology changes due by round t: rebind each client's queue to its new neighbours."""

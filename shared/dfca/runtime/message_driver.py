@@ -194,8 +194,9 @@ class MessageDriver:
         spec = self.algorithm.payload(ex)
         for s, (row, part) in enumerate(zip(out.row.tolist(), out.part.tolist(), strict=True)):
             sender = self.ids[row]
+            rows = None if out.lengths is None else int(out.lengths[s])
             envelope = Envelope(self.experiment, sender, self.round, ex.name, ex.step, part,
-                                {n: out.tensors[n][s] for n in spec})
+                                {n: out.tensors[n][s][:rows] if spec[n].ragged else out.tensors[n][s] for n in spec})
             body, headers = encode_message(envelope, spec, self.model_dtype)
             self.transport.publish(topics.MODELS_EXCHANGE, topics.model_key(self.experiment, sender, part), body,
                                    headers)
