@@ -40,7 +40,12 @@ def small_config(**overrides: Any) -> ExperimentConfig:
 
 def config_for(algorithm: str) -> ExperimentConfig:
     """A small run of `algorithm`: rotated digits with mixtures (the k-means algorithms: blobs; the server-clustered
-    ones: Dirichlet label skew), seeding and gossip steps short."""
+    ones: Dirichlet label skew; FedCRef: whole digit classes per client), seeding and gossip steps short."""
+    if algorithm == "fedcref":  # every client holds 2-5 whole digit classes; tiny autoencoders
+        return ExperimentConfig.model_validate({
+            "name": "equiv", "algorithm": "fedcref", "rounds": 2, "seed": 3,
+            "data": {"dataset": "digits", "clients": 6, "samples_per_category": 30},
+            "fedcref": {"layers": [16, 8], "local_epochs": 2, "fedavg_rounds": 2, "batch_size": 16}})
     if algorithm in SERVER_CLUSTERING:
         return small_config(algorithm=algorithm, rounds=3, data={"partition": "dirichlet", "groups": 2})
     if algorithm in KMEANS_ALGORITHMS:

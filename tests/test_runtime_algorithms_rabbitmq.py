@@ -215,3 +215,23 @@ def test_dpmm_cfl_survives_the_aggregator_and_a_worker_killed_mid_run(stack: Sta
     assert summary["inferred_clusters"] == 3 and summary["cluster_ari"] >= 0.9, summary
     unfaulted = simulate(ExperimentConfig.model_validate(cfg)).summary
     assert summary["test_accuracy"] >= unfaulted["test_accuracy"] - 0.03, (summary, unfaulted["test_accuracy"])
+
+
+def test_fedcref_over_rest_reports_the_papers_metrics_as_the_simulator_does(stack: Stack) -> None:
+    """Autoencoders, verdicts and FedAvg updates go all-to-all over RabbitMQ as safetensors; every worker builds the
+    same association graph. The run stops by FedCRef's own rule, and the metrics service reports what the simulator
+    reports: ACC before and after, communities against categories, wrong associations, isolated clusters."""
+    cfg = {"name": "fedcref", "algorithm": "fedcref", "rounds": 6, "seed": 3,
+           "data": {"clients": 9, "samples_per_category": 40},
+           "fedcref": {"layers": [64, 32], "local_epochs": 15, "fedavg_rounds": 3, "stable_iterations": 2},
+           "runtime": {"round_timeout": 60.0}}
+    experiment, final, summary = run(stack, cfg)
+    assert final["status"] == "completed" and summary["clients"] == 9, final
+    sim = simulate(ExperimentConfig.model_validate(cfg))
+    for key in ("initial_acc", "final_acc", "communities_found", "true_categories", "wrong_associations",
+                "isolated_clusters", "iterations"):
+        assert summary[key] == pytest.approx(sim.summary[key], abs=1e-4), (key, summary[key], sim.summary[key])
+    assert summary["communities_found"] >= 3 and summary["final_acc"] > summary["initial_acc"] + 0.05, summary
+    assert summary["messages"]["timeouts"] == 0 and summary["messages"]["rejected_total"] == 0
+    history = Api.of(stack).metrics.get(f"/experiments/{experiment}/metrics").json()["history"]
+    assert len(history) == len(sim.history) and all("communities_found" in h and "final_acc" in h for h in history)

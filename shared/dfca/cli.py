@@ -50,6 +50,9 @@ def results_table(summary: dict[str, Any]) -> Table:
     if "inferred_clusters" in summary:  # DPMM-CFL, FeSEM: K, and the paper's last-3-round means
         keys = ("inferred_clusters", "test_accuracy", "macro_f1", "test_accuracy_last3", "macro_f1_last3",
                 "cluster_ari", "rounds", "seconds_per_round", "wall_seconds")
+    if "communities_found" in summary:  # FedCRef clusters every client's samples: the paper's Sec. 5.3 metrics
+        keys = ("initial_acc", "final_acc", "communities_found", "true_categories", "wrong_associations",
+                "isolated_clusters", "iterations", "seconds_per_round", "wall_seconds")
     for key in keys:
         value = summary[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
@@ -78,7 +81,7 @@ def run(
     _check_device(cfg)
     log = MetricsLog(out / "metrics.jsonl")
     console.print(f"[bold]{cfg.name}[/]: {cfg.algorithm}, {cfg.data.clients} clients, k={cfg.clusters}, "
-                  f"{cfg.rounds} rounds{seeding_note(cfg)}, {cfg.topology.kind} graph -> {out}")
+                  f"{cfg.rounds} rounds{seeding_note(cfg)}{stop_note(cfg)}, {cfg.topology.kind} graph -> {out}")
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console) as progress:
         task = progress.add_task("rounds", total=RoundSchedule(cfg).total_rounds, status="")
@@ -181,9 +184,16 @@ def up(
 def round_status(record: dict[str, Any]) -> str:
     if "gcd" in record:  # k-means: how far the nodes are from the centralised solution and from each other
         return f"GCD {record['gcd']:.2e} CV {record['cv']:.2e}"
+    if "communities_found" in record:
+        return (f"ACC {record['test_accuracy']:.3f} |G| {record['communities_found']:.0f} "
+                f"|I| {record['isolated_clusters']:.0f}")
     if "inferred_clusters" in record:
         return f"K {record['inferred_clusters']:.0f} acc {record['test_accuracy']:.3f} F1 {record['macro_f1']:.3f}"
     return f"acc {record['test_accuracy']:.3f} ARI {record['ari']:.2f}"
+
+
+def stop_note(cfg: ExperimentConfig) -> str:
+    return " at most (FedCRef stops when its communities settle)" if cfg.algorithm == "fedcref" else ""
 
 
 def seeding_note(cfg: ExperimentConfig) -> str:

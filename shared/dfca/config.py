@@ -223,10 +223,10 @@ class FedCRefConfig(Strict):
     )
     dirtiness: float = Field(0.3, ge=0.0, le=1.0, description="dirty: probability a sample starts in a wrong cluster")
     percentile: float = Field(75.0, gt=0.0, le=100.0, description="alpha of eq. (2), in percent")
-    scale: Literal["errors", "differences"] = Field(
-        "errors", description="what normalises eq. (2)'s absolute differences to [0, 1]: the min-max range of both "
-        "error vectors (the default), or the differences' own range as printed (it rarely associates here: "
-        "docs/fedcref.md)",
+    scale: Literal["relative", "errors", "differences"] = Field(
+        "relative", description="what normalises eq. (2)'s absolute differences: each sample's own error (relative, "
+        "the default), the min-max range of both error vectors (errors), or the differences' own range as printed "
+        "(differences: it rarely associates here; docs/fedcref.md)",
     )
     theta: float = Field(0.2, ge=0.0, le=1.0, description="theta of eq. (2): the association threshold")
     tau: float = Field(0.8, ge=0.0, le=1.0, description="a client stops training and refining once the ACC between "

@@ -67,11 +67,22 @@ KMEANS_PLOTS = (
     ("test_accuracy", "clustering accuracy on held-out points", "accuracy.png", False),
 )
 
+FEDCREF_PLOTS = (  # Sec. 5.3 of the FedCRef paper, per iteration
+    ("test_accuracy", "clients' clustering ACC (eq. 4)", "accuracy.png", False),
+    ("communities_found", "communities |G|", "communities.png", False),
+    ("isolated_clusters", "isolated clusters |I|", "isolated.png", False),
+    ("wrong_associations", "wrong associations (%)", "wrong_associations.png", False),
+    ("active_clients", "active clients", "active.png", False),
+)
+UNBOUNDED = ("populated_clusters", "inferred_clusters", "communities_found", "isolated_clusters",
+             "wrong_associations", "active_clients")
+
 
 def plot_history(out: Path, history: list[dict[str, Any]], title: str, seeding_rounds: int = 0) -> list[Path]:
     """accuracy.png and ari.png against rounds, plus clusters.png (populated clusters); for a k-means run gcd.png
     and cv.png (log scale) and accuracy.png; for DPMM-CFL and FeSEM also macro_f1.png and (DPMM-CFL) the sampler's
-    acceptance rates.
+    acceptance rates; for FedCRef the clients' ACC, communities, isolated clusters, wrong associations and active
+    clients per iteration.
 
     Robust DFCA's seeding rounds (no training) are shaded.
     """
@@ -80,6 +91,8 @@ def plot_history(out: Path, history: list[dict[str, Any]], title: str, seeding_r
     plots = PLOTS
     if history and "gcd" in history[0]:
         plots = KMEANS_PLOTS
+    elif history and "communities_found" in history[0]:
+        plots = FEDCREF_PLOTS
     elif history and "macro_f1" in history[0]:
         plots = tuple(p for p in SERVER_CLUSTERING_PLOTS if p[0] in history[0])
     for key, label, fname, log_scale in plots:
@@ -92,9 +105,12 @@ def plot_history(out: Path, history: list[dict[str, Any]], title: str, seeding_r
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(label)
         ax.set_title(f"{title}: {label}")
+        if key == "communities_found" and "true_categories" in history[-1]:
+            ax.axhline(history[-1]["true_categories"], color="gray", linestyle=":", label="true categories")
+            ax.legend(fontsize=8)
         if log_scale:
             ax.set_yscale("log")
-        elif key not in ("populated_clusters", "inferred_clusters"):
+        elif key not in UNBOUNDED:
             ax.set_ylim(min(0.0, min(h[key] for h in history)), 1.02)
         ax.grid(alpha=0.3)
         fig.tight_layout()

@@ -394,11 +394,13 @@ class FedCRef(Algorithm):
 
     def state(self) -> dict[str, Tensor]:
         history = torch.tensor(self.history, dtype=torch.long).view(-1, 2)
-        return state_of(self.local, labels=self.labels, active=self.active, initial_acc=self.initial_acc,
+        device = self.ctx.device
+        tensors = state_of(self.local, labels=self.labels, active=self.active, initial_acc=self.initial_acc,
                         own_errors=self.own_errors, node_category=self.node_category,
                         node_community=self.node_community, history=history,
                         done=torch.tensor([int(self.done)]),
                         **{f"community.{n}": v for n, v in self.community.items()})
+        return {n: v.to(device) for n, v in tensors.items()}
 
     def load_state(self, tensors: Mapping[str, Tensor]) -> None:
         device = self.ctx.device

@@ -13,15 +13,15 @@ from torch import Tensor
 
 
 def reconstructs(own: Tensor, theirs: Tensor, mask: Tensor, alpha: float, theta: float,
-                 scale: str = "errors") -> Tensor:
+                 scale: str = "relative") -> Tensor:
     """One direction of eq. (2): Pr{ Normalize_[0,1] |E_iq->iq - E_jp->iq| <= theta } >= alpha.
 
     own [..., n]: each sample's error under its own cluster's model; theirs [..., n]: under the other model;
-    mask [..., n]: the samples of the cluster; alpha in [0, 1]. `scale` says what maps the absolute differences
-    to [0, 1]: "differences", their own min-max range over the cluster's samples (eq. 2 as printed); "errors", the
-    min-max range of both error vectors together (the differences are then at most 1, and small against how much
-    the errors vary). A cluster whose normaliser is 0 counts as reconstructed, one with no sample as not.
-    Returns a bool tensor of the leading shape.
+    mask [..., n]: the samples of the cluster; alpha in [0, 1]. `scale` says what normalises each absolute
+    difference: "relative", the sample's own error (the other model's error is within theta of the own one);
+    "differences", their own min-max range over the cluster's samples (eq. 2 as printed); "errors", the min-max
+    range of both error vectors together. Over a zero normaliser, a zero difference counts as 0 and any other as
+    infinite; a cluster with no sample is not reconstructed. Returns a bool tensor of the leading shape.
     """
     own, theirs, mask = torch.broadcast_tensors(own, theirs, mask)
     diff = (own - theirs).abs()
@@ -33,12 +33,16 @@ def reconstructs(own: Tensor, theirs: Tensor, mask: Tensor, alpha: float, theta:
     def highest(v: Tensor) -> Tensor:
         return torch.where(mask, v, -big).amax(-1, keepdim=True)
 
-    if scale == "differences":
+    if scale == "relative":
+        low, span = torch.zeros_like(diff), own
+    elif scale == "differences":
         low, span = lowest(diff), highest(diff) - lowest(diff)
     else:
         low = torch.zeros_like(diff[..., :1])
         span = torch.maximum(highest(own), highest(theirs)) - torch.minimum(lowest(own), lowest(theirs))
-    norm = torch.where(span > 0, (diff - low) / span.clamp(min=torch.finfo(diff.dtype).tiny), torch.zeros_like(diff))
+    excess = diff - low
+    norm = torch.where(span > 0, excess / span.clamp(min=torch.finfo(diff.dtype).tiny),
+                       torch.where(excess > 0, torch.full_like(diff, float("inf")), torch.zeros_like(diff)))
     count = mask.sum(-1)
     below = ((norm <= theta) & mask).sum(-1)
     return (count > 0) & (below >= alpha * count)
