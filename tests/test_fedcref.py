@@ -10,6 +10,7 @@ import pytest
 import torch
 from lockstep import run_lockstep
 
+from dfca.algorithms import HostContext, clients_of
 from dfca.config import ConfigError, parse_config
 from dfca.core import autoencoder as ae
 from dfca.core.cluster_refinement import agreement, communities, dirty_labels, reconstructs, refine
@@ -94,6 +95,18 @@ def test_batched_autoencoders_train_as_each_would_alone() -> None:
     for n in together:
         torch.testing.assert_close(together[n][1], alone[n][0])
     assert float(ae.errors(together, x)[0].mean()) < float(ae.errors(start, x)[0].mean())
+
+
+def test_kmeans_initial_clustering_beats_random_labels() -> None:
+    """`fedcref.init: kmeans` (k-means with K_i clusters on a local autoencoder's codes) starts well above chance."""
+    cfg = parse_config(small(seed=1, fedcref={"init": "kmeans", "layers": [32, 16], "local_epochs": 10},
+                             data={"clients": 6, "samples_per_category": 40}))
+    ctx = prepare(cfg)
+    algorithm = clients_of(HostContext(cfg, ctx.model, ctx.data, list(range(6)), neighbours(ctx.graph), ctx.device))
+    rng = np.random.default_rng(0)
+    chance = [agreement(rng.integers(0, int(k), size=int(n)), y[y >= 0].numpy())
+              for k, n, y in zip(algorithm.clusters, algorithm.counts, ctx.data.y_train, strict=True)]
+    assert float(algorithm.initial_acc.mean()) > float(np.mean(chance)) + 0.12, (algorithm.initial_acc, chance)
 
 
 # -- data and config --------------------------------------------------------------------------------------------------
