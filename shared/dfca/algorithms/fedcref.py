@@ -6,7 +6,7 @@ K_i clusters Q_iq: the true categories with each sample moved to a wrong cluster
 (the paper's simulated clustering), or k-means on a local autoencoder's codes (in place of DEC). A round is one
 iteration of Algorithm 1's while loop:
 
-    begin_round  line 7      every active client trains AE_iq on each of its clusters Q_iq (eq. 1; Adam, MSE)
+    begin_round  line 7      every client whose clusters changed trains a fresh AE_iq on each cluster Q_iq (eq. 1)
     `models`     line 9      all-to-all: every client sends its K_i autoencoders and its cluster sizes
                  line 11     on arrival, client i evaluates AE_jp on its own data: for each of its clusters q,
                              one direction of eq. (2), Pr{Normalize|E_iq->iq - E_jp->iq| <= theta} >= alpha
