@@ -42,13 +42,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 from sklearn.cluster import KMeans
 from sklearn.metrics import adjusted_rand_score
 from torch import Tensor
 
 from dfca.algorithms.base import Algorithm, Evaluation, Exchange, Graph, HostContext, Inbox, Outbox, params_in, state_of
 from dfca.config import ExperimentConfig
+from dfca.core.cluster_refinement import agreement
 from dfca.core.kmeans import (
     Neighbours,
     distributed_kmeans_step,
@@ -104,8 +104,8 @@ class KMeansNodes(Algorithm):
     def evaluate(self) -> Evaluation:
         d = self.data()
         near = squared_distances(d.x_test, self.centroids).argmin(-1)  # [M, n_test]
-        accuracy = torch.tensor([matched_accuracy(p, t, self.k) for p, t in zip(near.cpu(), d.y_test.cpu(),
-                                                                                   strict=True)])
+        accuracy = torch.tensor([agreement(p.numpy(), t.numpy()) for p, t in zip(near.cpu(), d.y_test.cpu(),
+                                                                                 strict=True)])
         loss = squared_distances(d.x_train, self.centroids).min(-1).values.mean(1)
         only = torch.zeros(len(self.ctx.clients), dtype=torch.long, device=self.ctx.device)
         return Evaluation(only, accuracy.to(self.ctx.device), loss, {CENTROIDS: self.centroids},
@@ -218,14 +218,6 @@ class DistKMeans(KMeansNodes):
     def load_state(self, tensors: Mapping[str, Tensor]) -> None:
         self.centroids = params_in(tensors)[CENTROIDS].to(self.ctx.device)
         self.dual = tensors["dual"].to(self.ctx.device)
-
-
-def matched_accuracy(predicted: Tensor, truth: Tensor, k: int) -> float:
-    """Share of points whose cluster matches the truth under the best matching of clusters (Hungarian)."""
-    counts = np.zeros((k, max(k, int(truth.max()) + 1)), dtype=np.int64)
-    np.add.at(counts, (predicted.numpy(), truth.numpy()), 1)
-    rows, cols = linear_sum_assignment(-counts)
-    return float(counts[rows, cols].sum() / max(len(truth), 1))
 
 
 _REFERENCES: dict[tuple[Any, ...], Tensor] = {}  # the data's config -> W^cen (it depends on nothing else)
