@@ -253,7 +253,8 @@ def simulate(
     for t in range(schedule.total_rounds):
         t0 = time.perf_counter()
         sim.run_round(t)
-        if (t + 1) % cfg.eval_every == 0 or t + 1 == schedule.total_rounds:
+        finished = sim.algorithm.finished  # its own stopping rule (FedCRef's): this round is the last
+        if (t + 1) % cfg.eval_every == 0 or t + 1 == schedule.total_rounds or finished:
             record = round_record(sim, t, sample)
             record["seconds"] = time.perf_counter() - t0
             record["phase"] = schedule.phase(t)
@@ -261,13 +262,7 @@ def simulate(
             history.append(record)
             if on_round is not None:
                 on_round(record)
-        if sim.algorithm.finished:
-            if not history or history[-1]["round"] != t + 1:
-                record = round_record(sim, t, sample)
-                record.update(seconds=time.perf_counter() - t0, phase=schedule.phase(t), warnings=[])
-                history.append(record)
-                if on_round is not None:
-                    on_round(record)
+        if finished:
             break
     final = sim.algorithm.evaluate()
     truth = sim.ctx.data.true_cluster.cpu()

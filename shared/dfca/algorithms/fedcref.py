@@ -166,18 +166,22 @@ class FedCRef(Algorithm):
         if self.done:
             return
         pairs = [(r, q) for r in range(len(self.ctx.clients)) if self.stale[r] for q in range(int(self.clusters[r]))]
-        start = {n: v.expand(len(pairs), *v.shape[1:]) for n, v in self.fresh.items()}
-        self.local = self.train_on_clusters(pairs, start, self.options.local_epochs, t, 0, into=self.local)
+        if pairs:
+            start = {n: v.expand(len(pairs), *v.shape[1:]) for n, v in self.fresh.items()}
+            trained = self.train_on_clusters(pairs, start, self.options.local_epochs, t, 0)
+            rows, qs = torch.tensor([r for r, _ in pairs]), torch.tensor([q for _, q in pairs])
+            for n in self.local:
+                self.local[n][rows, qs] = trained[n]
         self.stale[:] = False
         for r in range(len(self.ctx.clients)):
             err = ae.errors({n: v[r] for n, v in self.local.items()}, self.x[r])  # [K_max, n_max]
             self.own_errors[r] = err.gather(0, self.labels[r].clamp(min=0).unsqueeze(0)).squeeze(0)
 
     def train_on_clusters(self, pairs: list[tuple[int, int]], start: dict[str, Tensor], epochs: int, t: int,
-                          step: int, into: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
-        """Train start[s] on cluster pairs[s] = (row, q). With `into` ([M, K_max, ...]), write the results there."""
+                          step: int) -> dict[str, Tensor]:
+        """Train start[s] on cluster pairs[s] = (row, q); returns the trained models [len(pairs), ...]."""
         if not pairs:
-            return into if into is not None else start
+            return start
         members = [(self.labels[r] == q).nonzero().flatten() for r, q in pairs]
         width = max(1, max(int(m.numel()) for m in members))
         xs = torch.zeros(len(pairs), width, self.x.shape[-1], device=self.x.device)
@@ -185,13 +189,7 @@ class FedCRef(Algorithm):
             xs[s, : m.numel()] = self.x[r, m]
         seeds = [training_seed(self.ctx.cfg.seed, self.ctx.clients[r], q, t, step) for r, q in pairs]
         o = self.options
-        trained = ae.train(start, xs, [int(m.numel()) for m in members], seeds, epochs, o.lr, o.batch_size)
-        if into is None:
-            return trained
-        rows, qs = torch.tensor([r for r, _ in pairs]), torch.tensor([q for _, q in pairs])
-        for n in into:
-            into[n][rows, qs] = trained[n]
-        return into
+        return ae.train(start, xs, [int(m.numel()) for m in members], seeds, epochs, o.lr, o.batch_size)
 
     # -- the exchanges -----------------------------------------------------------------------------------------
     def reset_tables(self) -> None:
