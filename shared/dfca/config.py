@@ -242,6 +242,9 @@ class FedCRefConfig(Strict):
     stable_iterations: int = Field(3, ge=1, le=1000, description="the run stops when the number of communities and "
                                    "of isolated clusters changed by at most `stable_change` over this many iterations")
     stable_change: float = Field(0.1, ge=0.0, le=1.0)
+    merge: bool = Field(True, description="after FedAvg, join the communities whose models reconstruct each other's "
+                        "clusters (eq. 2 between community models, a majority of each side's clusters); not in the "
+                        "paper: docs/fedcref.md")
 
 
 class RuntimeConfig(Strict):

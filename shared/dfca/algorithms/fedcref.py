@@ -55,12 +55,13 @@ from torch import Tensor
 from dfca.algorithms.base import Algorithm, Evaluation, Exchange, Graph, HostContext, Inbox, Outbox, params_in, state_of
 from dfca.config import ExperimentConfig
 from dfca.core import autoencoder as ae
-from dfca.core.cluster_refinement import agreement, communities, dirty_labels, reconstructs, refine
+from dfca.core.cluster_refinement import agreement, communities, dirty_labels, merged_communities, reconstructs, refine
 from dfca.data import FederatedData
 from dfca.data.categories import category_range
 from dfca.wire import TensorSpec
 
-MODELS, ASSOCIATIONS, FEDAVG = "models", "associations", "fedavg"
+MODELS, ASSOCIATIONS, FEDAVG, MERGES = "models", "associations", "fedavg", "merges"
+VOTE_BITS = 62  # community votes per int64 word
 
 
 def training_seed(seed: int, client: int, cluster: int, t: int, step: int) -> int:
@@ -122,8 +123,9 @@ class FedCRef(Algorithm):
     def exchanges(self, t: int) -> list[Exchange]:
         if self.done:
             return []
+        merges = [Exchange(MERGES)] if self.options.merge else []
         return [Exchange(MODELS), Exchange(ASSOCIATIONS),
-                *[Exchange(FEDAVG, step=s) for s in range(self.options.fedavg_rounds)]]
+                *[Exchange(FEDAVG, step=s) for s in range(self.options.fedavg_rounds)], *merges]
 
     def payload(self, ex: Exchange) -> dict[str, TensorSpec]:
         models = {f"models.{n}": TensorSpec((self.k_max, *s), ragged=True) for n, s in self.layout.items()}
@@ -131,6 +133,9 @@ class FedCRef(Algorithm):
             return {**models, "sizes": TensorSpec((self.k_max,), "float32"), "clusters": TensorSpec((), "int64")}
         if ex.name == ASSOCIATIONS:
             return {"verdicts": TensorSpec((self.k_max, self.n_clients), "int64")}
+        if ex.name == MERGES:
+            words = -(-max(self.n_clients * self.k_max // 2, 1) // VOTE_BITS)  # at most N K_max / 2 communities
+            return {"votes": TensorSpec((words, self.k_max), "int64", ragged=True)}
         return {**models, "which": TensorSpec((), "int64")}
 
     # -- step 0: the initial clustering -----------------------------------------------------------------------
@@ -201,6 +206,7 @@ class FedCRef(Algorithm):
         self.node_of: np.ndarray = np.full(self.n_clients * self.k_max, -1, dtype=np.int64)  # community per node
         # the hosted rows' own verdicts, [M, K_max, N]: bit p of [r, q, j] says AE_jp reconstructs cluster q of row r
         self.row_verdicts = torch.zeros(len(self.ctx.clients), self.k_max, self.n_clients, dtype=torch.long)
+        self.votes: dict[int, Tensor] = {}  # client -> [K_max, |G|]: which community models reconstruct its clusters
 
     def sizes(self) -> Tensor:
         """[M, K_max] samples per cluster."""
@@ -222,6 +228,8 @@ class FedCRef(Algorithm):
             for r, c in enumerate(self.ctx.clients):
                 self.verdicts[c] = self.row_verdicts[r].clone()
             return Outbox(rows, zero, {"verdicts": self.row_verdicts.to(self.ctx.device)})
+        if ex.name == MERGES:
+            return self.send_votes(rows, zero)
         return self.send_update(ex, rows, zero)
 
     def receive(self, ex: Exchange, inbox: Inbox) -> int:
@@ -230,6 +238,11 @@ class FedCRef(Algorithm):
         if ex.name == ASSOCIATIONS:
             for s in inbox.delivered.any(0).nonzero().flatten().tolist():
                 self.verdicts[int(inbox.sender[s])] = inbox.tensors["verdicts"][s].cpu()
+            return int(inbox.delivered.sum())
+        if ex.name == MERGES:
+            groups = self.groups()
+            for s in inbox.delivered.any(0).nonzero().flatten().tolist():
+                self.votes[int(inbox.sender[s])] = self.unpack_votes(inbox.tensors["votes"][s].cpu(), groups)
             return int(inbox.delivered.sum())
         return self.receive_update(inbox)
 
@@ -259,6 +272,8 @@ class FedCRef(Algorithm):
             self.form_communities()
         elif ex.name == FEDAVG:
             self.average_updates()
+        elif ex.name == MERGES:
+            self.merge_communities()
 
     def form_communities(self) -> None:
         """Gamma from everyone's verdicts (an edge needs both directions), its components, and each community's
@@ -343,6 +358,71 @@ class FedCRef(Algorithm):
             for n, v in weighted_mean(stacked, weights).items():
                 self.community[n][g] = v
         self.updates, self.folded = {}, set()
+
+    # -- after line 23 (our addition): communities whose models reconstruct each other's clusters become one --------
+    def groups(self) -> int:
+        return int(next(iter(self.community.values())).shape[0])
+
+    def community_votes(self, r: int) -> Tensor:
+        """[K_max, |G|] bool: AE_Gb reconstructs cluster q of row r by eq. (2), against the model of q's own
+        community (False for an isolated cluster)."""
+        groups, ok = self.groups(), self.valid[r]
+        own_group = self.node_community[r]
+        if groups == 0 or not bool((own_group >= 0).any()):
+            return torch.zeros(self.k_max, groups, dtype=torch.bool)
+        o = self.options
+        err = ae.errors(self.community, self.x[r, ok])  # [|G|, n_i]
+        own = err[own_group.clamp(min=0).to(err.device)]  # [K_max, n_i]
+        mask = self.labels[r, ok].unsqueeze(0) == torch.arange(self.k_max, device=err.device).unsqueeze(1)
+        says = reconstructs(own.unsqueeze(1), err.unsqueeze(0), mask.unsqueeze(1), o.percentile / 100.0, o.theta,
+                            o.scale).cpu()  # [K_max, |G|]
+        return says & (own_group >= 0).unsqueeze(1)
+
+    def send_votes(self, rows: Tensor, zero: Tensor) -> Outbox:
+        groups = self.groups()
+        words = max(1, -(-groups // VOTE_BITS))
+        spec = self.payload(Exchange(MERGES))["votes"].shape
+        out = torch.zeros(len(self.ctx.clients), *spec, dtype=torch.long)
+        for r, c in enumerate(self.ctx.clients):
+            says = self.community_votes(r)
+            self.votes[c] = says
+            padded = torch.zeros(self.k_max, words * VOTE_BITS, dtype=torch.bool)
+            padded[:, :groups] = says
+            out[r, :words] = bits(padded.view(self.k_max, words, VOTE_BITS)).T
+        lengths = torch.full((len(self.ctx.clients),), words, dtype=torch.long)
+        return Outbox(rows, zero, {"votes": out.to(self.ctx.device)}, lengths=lengths.to(self.ctx.device))
+
+    def unpack_votes(self, words: Tensor, groups: int) -> Tensor:
+        """[words, K_max] int64 -> [K_max, |G|] bool."""
+        flags = unbits(words[: max(1, -(-groups // VOTE_BITS))], VOTE_BITS)  # [words, K_max, VOTE_BITS]
+        return flags.permute(1, 0, 2).reshape(self.k_max, -1)[:, :groups]
+
+    def merge_communities(self) -> None:
+        """Join the communities that reconstruct each other's clusters (core.cluster_refinement.merged_communities):
+        a joined community's model is the size-weighted mean of its parts' models. Every client holds the same
+        votes, so every client joins the same communities."""
+        groups, n, k = self.groups(), self.n_clients, self.k_max
+        if groups < 2:
+            return
+        votes = np.zeros((n * k, groups), dtype=bool)
+        for c, says in self.votes.items():
+            votes[c * k: (c + 1) * k] = says.numpy()
+        new = merged_communities(self.node_of, votes)
+        joined = int(new.max()) + 1
+        if joined == groups:
+            return
+        member = self.node_of >= 0
+        sizes = torch.zeros(groups)
+        for v in np.flatnonzero(member):
+            sizes[int(self.node_of[v])] += float(self.heard[int(v) // k][1][int(v) % k])
+        parts = [np.flatnonzero(new == g) for g in range(joined)]
+        models = [weighted_mean({name: self.community[name][torch.from_numpy(p).to(self.community[name].device)]
+                                 for name in self.layout}, sizes[torch.from_numpy(p)]) for p in parts]
+        self.community = stack_models(models, self.layout, self.ctx.device)
+        self.node_of[member] = new[self.node_of[member]]
+        self.history[-1] = (joined, self.history[-1][1])
+        for r, c in enumerate(self.ctx.clients):
+            self.node_community[r] = torch.from_numpy(self.node_of[c * k: (c + 1) * k].copy())
 
     # -- line 26-31 and the stop rule ------------------------------------------------------------------------------
     def end_round(self, t: int) -> None:

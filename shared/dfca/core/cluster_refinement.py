@@ -67,6 +67,32 @@ def communities(nodes: int, edges: np.ndarray) -> np.ndarray:
     return out
 
 
+def merged_communities(node_of: np.ndarray, votes: np.ndarray, share: float = 0.5) -> np.ndarray:
+    """Communities whose federated models reconstruct each other's clusters, joined (our addition to eq. 3).
+
+    node_of [nodes]: each cluster's community (-1: isolated); votes [nodes, G] bool: votes[v, b] says the model of
+    community b reconstructs cluster v (eq. 2, against the model of v's own community). Communities a and b are
+    linked when at least `share` of a's clusters vote for b and at least `share` of b's vote for a; the linked
+    components become one community each. Returns [G] the new id of each community, numbered 0.. in the order of
+    their smallest cluster (as eq. 3's communities are).
+    """
+    groups = int(node_of.max()) + 1 if node_of.size else 0
+    if groups == 0:
+        return np.zeros(0, dtype=np.int64)
+    member = node_of >= 0
+    tally = np.zeros((groups, groups))
+    np.add.at(tally, node_of[member], np.asarray(votes, dtype=float)[member, :groups])
+    sizes = np.bincount(node_of[member], minlength=groups).astype(float)
+    backs = tally >= share * np.maximum(sizes, 1.0)[:, None]
+    linked = backs & backs.T
+    np.fill_diagonal(linked, False)
+    a, b = np.nonzero(linked)
+    graph = coo_matrix((np.ones(len(a)), (a, b)), shape=(groups, groups))
+    _, component = connected_components(graph, directed=False)
+    renumber: dict[int, int] = {}
+    return np.array([renumber.setdefault(int(c), len(renumber)) for c in component], dtype=np.int64)
+
+
 def refine(errors: Tensor, clusters: int) -> tuple[Tensor, Tensor]:
     """Algorithm 2 on one client: errors [models, n] of every available model (its K_i local ones, then the
     community models) on each of its samples -> (labels [n] in 0..clusters-1, selected [clusters]: the model that
