@@ -13,7 +13,7 @@ from lockstep import run_lockstep
 from dfca.algorithms import HostContext, clients_of
 from dfca.config import ConfigError, parse_config
 from dfca.core import autoencoder as ae
-from dfca.core.cluster_refinement import agreement, communities, dirty_labels, reconstructs, refine
+from dfca.core.cluster_refinement import agreement, communities, dirty_labels, merged_communities, reconstructs, refine
 from dfca.data import build_federated_data
 from dfca.graph import neighbours
 from dfca.simulator import prepare, simulate
@@ -62,6 +62,22 @@ def test_communities_are_the_connected_components_with_at_least_two_clusters() -
     edges = np.array([[0, 1], [1, 2], [4, 5], [6, 6], [8, 7]])
     assert communities(9, edges).tolist() == [0, 0, 0, -1, 1, 1, -1, 2, 2]
     assert communities(3, np.zeros((0, 2))).tolist() == [-1, -1, -1]
+
+
+def test_communities_join_when_a_majority_of_each_side_is_reconstructed_by_the_other() -> None:
+    """Clusters 0-2 form community 0, 3-4 community 1, 5-6 community 2, 7-8 community 3; cluster 9 is isolated."""
+    node_of = np.array([0, 0, 0, 1, 1, 2, 2, 3, 3, -1])
+    votes = np.zeros((10, 4), dtype=bool)
+    votes[[0, 1], 1] = True  # 2 of community 0's 3 clusters say AE_G1 reconstructs them
+    votes[3, 0] = True  # 1 of community 1's 2 clusters says AE_G0 does: half, enough
+    votes[[5, 6], 3] = True  # community 2 backs community 3 unanimously...
+    votes[9, 3] = True  # ...an isolated cluster's vote counts for nothing...
+    assert merged_communities(node_of, votes).tolist() == [0, 0, 1, 2]  # ...and 3 never backs 2: one way is not enough
+    votes[7, 2] = True
+    assert merged_communities(node_of, votes).tolist() == [0, 0, 1, 1]
+    votes[[0, 1], 1], votes[2, 1] = False, True  # a minority of community 0 is not enough
+    assert merged_communities(node_of, votes).tolist() == [0, 1, 2, 2]
+    assert merged_communities(np.full(3, -1), np.zeros((3, 0), dtype=bool)).tolist() == []
 
 
 def test_refinement_takes_the_model_best_for_most_samples_first() -> None:
@@ -155,6 +171,46 @@ def test_the_message_drivers_end_where_the_simulator_ends() -> None:
         for name in ("labels", "node_community", "history", *[n for n in state if n.startswith("params.")]):
             rows = d.ids if name != "history" else slice(None)
             torch.testing.assert_close(state[name], expected[name][rows], rtol=1e-4, atol=1e-5)
+        for name in (n for n in state if n.startswith("community.")):
+            torch.testing.assert_close(state[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_both_drivers_join_the_same_communities(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `merges` exchange: every host must see every client's votes to join the same communities. At this small
+    scale no two communities back each other by a majority, so the rule is forced to also join the pair with the
+    most votes between them: what is joined still depends on every vote delivered."""
+    import dfca.algorithms.fedcref as fedcref
+
+    joins: list[int] = []
+
+    def join_the_closest_pair(node_of: np.ndarray, votes: np.ndarray, share: float) -> np.ndarray:
+        new = merged_communities(node_of, votes, share)
+        groups = int(node_of.max()) + 1
+        if int(new.max()) + 1 < groups or groups < 2:
+            return new
+        tally = np.zeros((groups, groups))
+        member = node_of >= 0
+        np.add.at(tally, node_of[member], votes[member, :groups].astype(float))
+        tally = tally + tally.T + np.eye(groups) * -1.0  # never a community with itself
+        a, b = np.unravel_index(int(tally.argmax()), tally.shape)
+        joins.append(int(tally[a, b]))
+        new[max(a, b)] = new[min(a, b)]
+        return np.unique(new, return_inverse=True)[1].astype(np.int64)
+
+    monkeypatch.setattr(fedcref, "merged_communities", join_the_closest_pair)
+    cfg = parse_config(small(rounds=1, data={"dataset": "mnist-bundled", "clients": 8, "samples_per_category": 40},
+                             fedcref={"local_epochs": 10, "layers": [32, 16], "fedavg_rounds": 2}))
+    ctx = prepare(cfg)
+    sim = simulate(cfg, data=ctx.data)
+    assert joins and sim.algorithm.history[-1][0] >= 1
+    expected = sim.algorithm.state()
+    broker = InMemoryBroker()
+    run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), lambda: InMemoryTransport(broker), 3)
+    for d in run.drivers:
+        assert not d.stats.rejected and d.stats.timeouts == 0
+        state = d.algorithm.state()
+        torch.testing.assert_close(state["node_community"], expected["node_community"][d.ids])
+        torch.testing.assert_close(state["history"], expected["history"])
         for name in (n for n in state if n.startswith("community.")):
             torch.testing.assert_close(state[name], expected[name], rtol=1e-4, atol=1e-5)
 

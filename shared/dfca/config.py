@@ -245,6 +245,8 @@ class FedCRefConfig(Strict):
     merge: bool = Field(True, description="after FedAvg, join the communities whose models reconstruct each other's "
                         "clusters (eq. 2 between community models, a majority of each side's clusters); not in the "
                         "paper: docs/fedcref.md")
+    merge_share: float = Field(0.5, gt=0.0, le=1.0, description="the share of a community's clusters that must be "
+                               "reconstructed by the other community's model for the two to join (both ways)")
 
 
 class RuntimeConfig(Strict):
