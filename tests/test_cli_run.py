@@ -122,3 +122,16 @@ def test_collapse_watch_warns_once_per_kind() -> None:
     assert "only 2 of 4 clusters" in out[0] and "locked in" in out[1]
     healthy = CollapseWatch(k=2)
     assert not any(healthy.observe({"round": t, "populated_clusters": 2, "ari": 1.0}) for t in range(1, 30))
+
+
+def test_a_run_that_stops_itself_ends_with_a_full_bar(tmp_path: Path) -> None:
+    """FedCRef stops once its communities settle (here after 3 of at most 10 iterations): the bar says 3/3."""
+    cfg = {"name": "early", "algorithm": "fedcref", "seed": 2, "rounds": 10,
+           "data": {"dataset": "digits", "clients": 6, "samples_per_category": 30},
+           "fedcref": {"layers": [16, 8], "local_epochs": 3, "fedavg_rounds": 2, "batch_size": 16}}
+    result = runner.invoke(app, ["run", str(write(tmp_path, cfg)), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    iterations = json.loads((tmp_path / "out" / "summary.json").read_text())["iterations"]
+    assert iterations < 10
+    bar = next(line for line in result.output.splitlines() if line.startswith("rounds"))
+    assert f"{iterations:.0f}/{iterations:.0f}" in bar, bar

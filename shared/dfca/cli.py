@@ -100,6 +100,8 @@ def run(
             raise typer.Exit(1) from err
         finally:
             log.close()
+        ran = int(result.history[-1]["round"]) if result.history else 0
+        progress.update(task, total=ran, completed=ran)  # a run that stopped itself early ends a full bar
     write_summary(out, result.summary, cfg)
     save_models(out, result.final_models, result.assigned.tolist())
     plots = plot_history(out, result.history, cfg.name, RoundSchedule(cfg).seeding_rounds)
