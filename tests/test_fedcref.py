@@ -181,7 +181,7 @@ def test_both_drivers_join_the_same_communities(monkeypatch: pytest.MonkeyPatch)
     most votes between them: what is joined still depends on every vote delivered."""
     import dfca.algorithms.fedcref as fedcref
 
-    joins: list[int] = []
+    joins: list[tuple[int, int]] = []  # (communities before, after)
 
     def join_the_closest_pair(node_of: np.ndarray, votes: np.ndarray, share: float) -> np.ndarray:
         new = merged_communities(node_of, votes, share)
@@ -191,18 +191,21 @@ def test_both_drivers_join_the_same_communities(monkeypatch: pytest.MonkeyPatch)
         tally = np.zeros((groups, groups))
         member = node_of >= 0
         np.add.at(tally, node_of[member], votes[member, :groups].astype(float))
-        tally = tally + tally.T + np.eye(groups) * -1.0  # never a community with itself
+        tally = tally + tally.T
+        np.fill_diagonal(tally, -np.inf)  # every community votes for its own model: never join one with itself
         a, b = np.unravel_index(int(tally.argmax()), tally.shape)
-        joins.append(int(tally[a, b]))
         new[max(a, b)] = new[min(a, b)]
-        return np.unique(new, return_inverse=True)[1].astype(np.int64)
+        new = np.unique(new, return_inverse=True)[1].astype(np.int64)
+        joins.append((groups, int(new.max()) + 1))
+        return new
 
     monkeypatch.setattr(fedcref, "merged_communities", join_the_closest_pair)
     cfg = parse_config(small(rounds=1, data={"dataset": "mnist-bundled", "clients": 8, "samples_per_category": 40},
                              fedcref={"local_epochs": 10, "layers": [32, 16], "fedavg_rounds": 2}))
     ctx = prepare(cfg)
     sim = simulate(cfg, data=ctx.data)
-    assert joins and sim.algorithm.history[-1][0] >= 1
+    assert joins and all(after == before - 1 for before, after in joins), joins
+    assert sim.algorithm.history[-1][0] == joins[-1][1]
     expected = sim.algorithm.state()
     broker = InMemoryBroker()
     run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), lambda: InMemoryTransport(broker), 3)

@@ -78,6 +78,11 @@ def training_seed(seed: int, client: int, cluster: int, t: int, step: int) -> in
     return int(np.random.SeedSequence([seed % 2**63, client, cluster, t, step]).generate_state(1)[0])
 
 
+def vote_words(groups: int) -> int:
+    """int64 words that carry one cluster's votes on `groups` communities (at least one)."""
+    return max(1, -(-groups // VOTE_BITS))
+
+
 def bits(flags: Tensor) -> Tensor:
     """[..., K] bool -> [...] int64 with bit p set where flags[..., p]."""
     weights = 2 ** torch.arange(flags.shape[-1], device=flags.device, dtype=torch.long)
@@ -143,8 +148,8 @@ class FedCRef(Algorithm):
         if ex.name == ASSOCIATIONS:
             return {"verdicts": TensorSpec((self.k_max, self.n_clients), "int64")}
         if ex.name == MERGES:
-            words = -(-max(self.n_clients * self.k_max // 2, 1) // VOTE_BITS)  # at most N K_max / 2 communities
-            return {"votes": TensorSpec((words, self.k_max), "int64", ragged=True)}
+            most = vote_words(self.n_clients * self.k_max // 2)  # at most N K_max / 2 communities
+            return {"votes": TensorSpec((most, self.k_max), "int64", ragged=True)}
         return {**models, "which": TensorSpec((), "int64")}
 
     # -- step 0: the initial clustering -----------------------------------------------------------------------
@@ -216,6 +221,10 @@ class FedCRef(Algorithm):
         # the hosted rows' own verdicts, [M, K_max, N]: bit p of [r, q, j] says AE_jp reconstructs cluster q of row r
         self.row_verdicts = torch.zeros(len(self.ctx.clients), self.k_max, self.n_clients, dtype=torch.long)
         self.votes: dict[int, Tensor] = {}  # client -> [K_max, |G|]: which community models reconstruct its clusters
+
+    def groups(self) -> int:
+        """|G|: the communities of this iteration (every client holds every community's model)."""
+        return int(next(iter(self.community.values())).shape[0])
 
     def sizes(self) -> Tensor:
         """[M, K_max] samples per cluster."""
@@ -358,7 +367,7 @@ class FedCRef(Algorithm):
     def average_updates(self) -> None:
         """FedAvg: AE_Gp <- sum over members of n_iq / N_p times their update (members heard from this step)."""
         k = self.k_max
-        for g in range(int(next(iter(self.community.values())).shape[0])):
+        for g in range(self.groups()):
             nodes = [int(v) for v in np.flatnonzero(self.node_of == g) if (int(v) // k, int(v) % k) in self.updates]
             if not nodes:
                 continue
@@ -369,9 +378,6 @@ class FedCRef(Algorithm):
         self.updates, self.folded = {}, set()
 
     # -- after line 23 (our addition): communities whose models reconstruct each other's clusters become one --------
-    def groups(self) -> int:
-        return int(next(iter(self.community.values())).shape[0])
-
     def community_votes(self, r: int) -> Tensor:
         """[K_max, |G|] bool: AE_Gb reconstructs cluster q of row r by eq. (2), against the model of q's own
         community (False for an isolated cluster)."""
@@ -389,7 +395,7 @@ class FedCRef(Algorithm):
 
     def send_votes(self, rows: Tensor, zero: Tensor) -> Outbox:
         groups = self.groups()
-        words = max(1, -(-groups // VOTE_BITS))
+        words = vote_words(groups)
         spec = self.payload(Exchange(MERGES))["votes"].shape
         out = torch.zeros(len(self.ctx.clients), *spec, dtype=torch.long)
         for r, c in enumerate(self.ctx.clients):
@@ -403,7 +409,7 @@ class FedCRef(Algorithm):
 
     def unpack_votes(self, words: Tensor, groups: int) -> Tensor:
         """[words, K_max] int64 -> [K_max, |G|] bool."""
-        flags = unbits(words[: max(1, -(-groups // VOTE_BITS))], VOTE_BITS)  # [words, K_max, VOTE_BITS]
+        flags = unbits(words[: vote_words(groups)], VOTE_BITS)  # [words, K_max, VOTE_BITS]
         return flags.permute(1, 0, 2).reshape(self.k_max, -1)[:, :groups]
 
     def merge_communities(self) -> None:
@@ -487,8 +493,7 @@ class FedCRef(Algorithm):
         return Evaluation(torch.zeros(rows, dtype=torch.long, device=self.ctx.device), acc, loss, None, extra)
 
     def final_models(self) -> dict[str, dict[str, Tensor]]:
-        groups = int(next(iter(self.community.values())).shape[0])
-        return {f"community_{g}": {n: v[g] for n, v in self.community.items()} for g in range(groups)}
+        return {f"community_{g}": {n: v[g] for n, v in self.community.items()} for g in range(self.groups())}
 
     def state(self) -> dict[str, Tensor]:
         history = torch.tensor(self.history, dtype=torch.long).view(-1, 2)
