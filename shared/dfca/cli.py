@@ -203,6 +203,11 @@ def seeding_note(cfg: ExperimentConfig) -> str:
     return f" after {seeding} rounds of farthest-first seeding (dfca.seeding)" if seeding else ""
 
 
+from dfca.remote_commands import register as _register_remote_commands  # noqa: E402
+
+_register_remote_commands(app)
+
+
 def main() -> None:
     app()
 
