@@ -21,6 +21,7 @@ from dfca.core.soft_assignment import mixture_error
 from dfca.models import client_permutations
 from dfca.schedule import RoundSchedule
 from dfca.simulator import Simulation, prepare, simulate
+from dfca.wire import TensorSpec, body_bytes
 
 BASELINES = ["ifca", "dfedavgm", "fedspd", "local"]
 
@@ -144,10 +145,14 @@ def test_learns_with_lost_and_late_messages_and_reports_traffic(name: str, stale
     changed = any(not torch.equal(t, lossless.final_models[m][n]) for m, ts in result.final_models.items()
                   for n, t in ts.items())
     assert changed == (name != "local")
-    payload = 4 * result.algorithm.ctx.model.num_params()
+    shapes = result.algorithm.ctx.model.shapes()
+    payload = body_bytes({n: TensorSpec(s) for n, s in shapes.items()}, shapes)  # one model's message body
     degree = float(result.simulation.ctx.adjacency.sum(1).float().mean())
-    expected = {"ifca": 3 * payload, "dfedavgm": degree * payload, "fedspd": degree * payload, "local": 0.0}
-    assert result.summary["bytes_sent_per_client_per_round"] == pytest.approx(expected[name])
+    # what a client sends: IFCA one upload (the server's k models down are not a client's), the others one model
+    # to each neighbour, whether or not the network then loses it; bodies with their safetensors headers
+    expected = {"ifca": payload, "dfedavgm": degree * payload, "fedspd": degree * payload, "local": 0.0}
+    sent = result.summary["bytes_sent_per_client_per_round"]
+    assert expected[name] <= sent <= 1.02 * expected[name]  # plus what rides with the model (IFCA: sample counts)
     for model in result.final_models.values():
         assert all(torch.isfinite(t).all() for t in model.values())
 

@@ -225,7 +225,8 @@ def test_bytes_count_the_models_each_client_really_sends() -> None:
     size = sum(int(np.prod(s)) for s in ae.shapes(64, [16, 8]).values()) * 4
     clusters = result.algorithm.clusters
     n = cfg.data.clients
-    assert result.history[0]["bytes_sent_per_client"] == pytest.approx(float(clusters.sum()) * size * (n - 1) / n)
+    sent = result.history[0]["bytes_sent_per_client"]  # with the sizes, verdicts and votes, and the bodies' headers
+    assert float(clusters.sum()) * size * (n - 1) / n < sent < 1.05 * float(clusters.sum()) * size * (n - 1) / n
 
 
 @pytest.mark.slow

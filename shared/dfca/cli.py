@@ -14,16 +14,42 @@ from rich.table import Table
 
 from dfca.config import ConfigError, ExperimentConfig, load_config
 from dfca.devices import DeviceUnavailable, resolve_device
+from dfca.run_folder import OutFolderRefused, prepare_out, written_files
 from dfca.schedule import RoundSchedule
 
 app = typer.Typer(add_completion=False, help="Decentralized clustered federated learning (DFCA and baselines).")
 console = Console(stderr=True)
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
+SET_HELP = "override one config field by its dotted path, e.g. --set train.lr=0.05 (repeatable; YAML values)"
 
 
-def _load(config: Path | None) -> ExperimentConfig:
+def version_text() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        return load_config(config or DEFAULT_CONFIG)
+        ours = version("dfca")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        ours = "unknown (not installed)"
+    import torch
+
+    return f"dfca {ours} (torch {torch.__version__}, python {'.'.join(map(str, __import__('sys').version_info[:3]))})"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        print(version_text())
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", "-V", callback=_show_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
+    """Decentralized clustered federated learning (DFCA and baselines)."""
+
+
+def _load(config: Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
+    try:
+        return load_config(config or DEFAULT_CONFIG, overrides or [])
     except ConfigError as err:
         console.print(f"[bold red]invalid config:[/] {err}")
         raise typer.Exit(2) from err
@@ -62,23 +88,25 @@ def results_table(summary: dict[str, Any]) -> Table:
 @app.command()
 def run(
     config: Path = typer.Argument(None, help="experiment YAML; without it, the bundled demo runs"),
-    out: Path = typer.Option(Path("runs/latest"), "--out", "-o", help="output folder"),
-    rounds: int = typer.Option(None, help="override `rounds`"),
-    seed: int = typer.Option(None, help="override `seed`"),
+    out: Path = typer.Option(None, "--out", "-o", show_default=False,
+                             help="output folder, new or empty [default: runs/latest, replaced on every run]"),
+    force: bool = typer.Option(False, "--force", help="clear a non-empty --out first"),
+    sets: list[str] = typer.Option(None, "--set", help=SET_HELP),
+    rounds: int = typer.Option(None, help="short for --set rounds=N"),
+    seed: int = typer.Option(None, help="short for --set seed=N"),
 ) -> None:
-    """Run an experiment in one process (in-memory, every client vectorized) and write its results."""
+    """Run an experiment in one process (every client vectorized, simulated network) and write its results."""
     from dfca.outputs import MetricsLog, plot_history, save_models, write_summary
     from dfca.simulator import simulate
 
-    cfg = _load(config)
-    overrides = {k: v for k, v in (("rounds", rounds), ("seed", seed)) if v is not None}
-    if overrides:
-        try:
-            cfg = ExperimentConfig.model_validate({**cfg.model_dump(), **overrides})
-        except Exception as err:  # pydantic ValidationError
-            console.print(f"[bold red]invalid override:[/] {err}")
-            raise typer.Exit(2) from err
+    overrides = list(sets or []) + [f"{k}={v}" for k, v in (("rounds", rounds), ("seed", seed)) if v is not None]
+    cfg = _load(config, overrides)
     _check_device(cfg)
+    try:
+        out = prepare_out(out, force)
+    except OutFolderRefused as err:
+        console.print(f"[bold red]error:[/] {err}")
+        raise typer.Exit(2) from err
     log = MetricsLog(out / "metrics.jsonl")
     console.print(f"[bold]{cfg.name}[/]: {cfg.algorithm}, {cfg.data.clients} clients, k={cfg.clusters}, "
                   f"{cfg.rounds} rounds{seeding_note(cfg)}{stop_note(cfg)}, {cfg.topology.kind} graph -> {out}")
@@ -104,18 +132,18 @@ def run(
         progress.update(task, total=ran, completed=ran)  # a run that stopped itself early ends a full bar
     write_summary(out, result.summary, cfg)
     save_models(out, result.final_models, result.assigned.tolist())
-    plots = plot_history(out, result.history, cfg.name, RoundSchedule(cfg).seeding_rounds)
+    plot_history(out, result.history, cfg.name, RoundSchedule(cfg).seeding_rounds)
     Console().print(results_table(result.summary))
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
-    console.print(f"wrote {out}/summary.json, config.json, metrics.jsonl, models/, "
-                  + ", ".join(p.name for p in plots))
+    console.print(f"wrote {out}/: " + ", ".join(written_files(out)), soft_wrap=True)
 
 
 @app.command("validate")
-def validate(config: Path = typer.Argument(..., help="experiment YAML")) -> None:
-    """Check a config file against the schema, and that its `device` is on this machine."""
-    cfg = _load(config)
+def validate(config: Path = typer.Argument(..., help="experiment YAML"),
+             sets: list[str] = typer.Option(None, "--set", help=SET_HELP)) -> None:
+    """Check a config file (with any --set overrides) against the schema, and that its `device` is here."""
+    cfg = _load(config, sets)
     _check_device(cfg)
     console.print(f"[green]ok[/]: {cfg.name} ({cfg.algorithm}, device {resolve_device(cfg.device)})")
 

@@ -84,9 +84,10 @@ def plot_history(out: Path, history: list[dict[str, Any]], title: str, seeding_r
     acceptance rates; for FedCRef the clients' ACC, communities, isolated clusters, wrong associations and active
     clients per iteration.
 
-    Robust DFCA's seeding rounds (no training) are shaded.
+    The x axis counts training rounds as the summary's `rounds` does: robust DFCA's seeding rounds come first, at
+    -S+1..0, shaded, and training rounds are 1..T. Counts (clusters, communities) get an integer axis from 0.
     """
-    rounds = [h["round"] for h in history]
+    rounds = [h["round"] - seeding_rounds for h in history]
     paths = []
     plots = PLOTS
     if history and "gcd" in history[0]:
@@ -96,22 +97,27 @@ def plot_history(out: Path, history: list[dict[str, Any]], title: str, seeding_r
     elif history and "macro_f1" in history[0]:
         plots = tuple(p for p in SERVER_CLUSTERING_PLOTS if p[0] in history[0])
     for key, label, fname, log_scale in plots:
+        values = [h[key] for h in history]
         fig, ax = plt.subplots(figsize=(6, 4))
         if seeding_rounds:
-            ax.axvspan(0, seeding_rounds, color="0.9", label="seeding (no training)")
-            ax.legend(fontsize=8, loc="lower right")
-        ax.plot(rounds, [h[key] for h in history], marker="o", markersize=3)
-        ax.set_xlabel("round")
+            ax.axvspan(-seeding_rounds + 0.5, 0.5, color="0.9",
+                       label="seeding: local training, then k seeds flooded")
+        ax.plot(rounds, values, marker="o", markersize=3)
+        ax.set_xlabel("training round (seeding rounds at 0 and below)" if seeding_rounds else "round")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(label)
         ax.set_title(f"{title}: {label}")
-        if key == "communities_found" and "true_categories" in history[-1]:
+        if key == "communities_found" and history and "true_categories" in history[-1]:
             ax.axhline(history[-1]["true_categories"], color="gray", linestyle=":", label="true categories")
-            ax.legend(fontsize=8)
         if log_scale:
             ax.set_yscale("log")
-        elif key not in UNBOUNDED:
-            ax.set_ylim(min(0.0, min(h[key] for h in history)), 1.02)
+        elif key in UNBOUNDED:
+            ax.set_ylim(0, max([*values, count_ceiling(history, key), 1]) + 0.5)
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        elif values:
+            ax.set_ylim(min(0.0, min(values)), 1.02)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="lower right")
         ax.grid(alpha=0.3)
         fig.tight_layout()
         path = out / fname
@@ -119,3 +125,13 @@ def plot_history(out: Path, history: list[dict[str, Any]], title: str, seeding_r
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def count_ceiling(history: list[dict[str, Any]], key: str) -> float:
+    """The most a count could be, so a constant count is not drawn as a flat line on a 1.9-2.1 axis: k for
+    populated clusters (from the rounds' assignment counts), else the true categories where known."""
+    if key == "populated_clusters" and history and "assignment_counts" in history[-1]:
+        return float(len(history[-1]["assignment_counts"]))
+    if key == "communities_found" and history and "true_categories" in history[-1]:
+        return float(history[-1]["true_categories"])
+    return 0.0

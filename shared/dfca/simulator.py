@@ -16,7 +16,6 @@ folds each model.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,11 +43,11 @@ from dfca.evaluation import (
 from dfca.graph import adjacency_matrix, build_graph, neighbours
 from dfca.models import BatchedModel, Params, build_model
 from dfca.schedule import RoundSchedule
+from dfca.wire import body_bytes
 
 log = logging.getLogger(__name__)
 
 RoundCallback = Callable[[dict[str, Any]], None]
-WIRE_BYTES = {"float32": 4, "float16": 2}
 
 
 @dataclass
@@ -100,7 +99,8 @@ class Simulation:
         self.gossip = torch.Generator().manual_seed(cfg.seed * 31 + 11)
         self.uplink = torch.Generator().manual_seed(cfg.seed * 31 + 5)
         self.late: tuple[str, Tensor, Outbox, int] | None = None  # a round's late messages, kept for the next
-        self.round_bytes = 0.0  # bytes on the network in the last round, per client
+        self.round_bytes = 0.0  # payload bytes a client sent in the last round (all receivers), mean over clients
+        self.total_bytes, self.rounds_run = 0.0, 0  # the same summed over the run's rounds, and how many ran
         if self.schedule.seeding_rounds and (warning := warn_if_flood_too_short(ctx.graph, self.schedule.flood_rounds)):
             log.warning(warning)
 
@@ -136,6 +136,8 @@ class Simulation:
         for p in self.participants:
             p.end_round(t)
         self.round_bytes = sent / self.ctx.n
+        self.total_bytes += self.round_bytes
+        self.rounds_run += 1
 
     def kept(self, shape: torch.Size) -> Tensor:
         """A later exchange's mask of messages not lost (it has no late ones: they miss their step)."""
@@ -166,23 +168,24 @@ class Simulation:
         return torch.full_like(out.row, SERVER) if ex.sender == "server" else out.row
 
     def traffic(self, ex: Exchange, out: Outbox) -> float:
-        """Model bytes put on the network: each message once per receiver."""
-        size = WIRE_BYTES[self.ctx.cfg.runtime.payload_dtype]
-        spec = self.side(ex.sender).payload(ex)
-        messages = out.row.shape[0]
-        per_message = torch.zeros(messages, dtype=torch.float64)
-        for name, s in spec.items():
-            if s.kind != "model":
-                continue
-            if not s.ragged:
-                per_message += math.prod(s.shape)
-                continue
-            shape = out.tensors[name].shape  # [S, rows as sent, ...]; `lengths` trims the padding
-            rows = out.lengths.double().cpu() if out.lengths is not None else torch.full((messages,), float(shape[1]))
-            per_message += rows * math.prod(shape[2:])
-        per_message *= size
+        """Bytes the clients sent in `ex`: each message's body as the message driver encodes it (safetensors: the
+        tensors, models at `runtime.payload_dtype`, and their header), once per receiver. What a central role
+        sends is not a client's traffic."""
         if ex.sender == "server":
-            return float(per_message.sum()) * self.ctx.n
+            return 0.0
+        spec = self.side(ex.sender).payload(ex)
+        model_dtype = torch.float16 if self.ctx.cfg.runtime.payload_dtype == "float16" else torch.float32
+
+        def size(rows: int | None) -> int:  # a ragged tensor carries `rows` rows (None: all it has)
+            return body_bytes(spec, {n: tuple(s.shape) if not s.ragged else
+                                     (out.tensors[n].shape[1] if rows is None else rows, *out.tensors[n].shape[2:])
+                                     for n, s in spec.items()}, model_dtype)
+
+        messages = out.row.shape[0]
+        if out.lengths is None:
+            per_message = torch.full((messages,), float(size(None)), dtype=torch.float64)
+        else:
+            per_message = torch.tensor([size(int(r)) for r in out.lengths.tolist()], dtype=torch.float64)
         if ex.receiver == "server":
             return float(per_message.sum())
         receivers = self.ctx.adjacency[out.row].sum(1).double().cpu()
@@ -269,6 +272,7 @@ def simulate(
     summary = build_summary(cfg, history, final.test_accuracy.cpu(), final.assigned.cpu(), truth,
                             time.perf_counter() - start, watch.warnings)
     summary["device"] = str(sim.ctx.device)
+    summary["bytes_sent_per_client_per_round"] = sim.total_bytes / max(sim.rounds_run, 1)  # evaluated or not
     summary.update(sim.run_metrics(final))
     summary.update(last_rounds_means(history))
     models = (sim.server or sim.algorithm).final_models()
@@ -310,7 +314,10 @@ def build_summary(
         "cluster_acc": cluster_accuracy(assigned, truth),
         "populated_clusters": populated_clusters(assigned),
         "assignment_counts": assignment_counts(assigned, cfg.clusters),
-        "bytes_sent_per_client_per_round": history[-1]["bytes_sent_per_client"] if history else 0.0,
+        # payload bytes a client sent, all receivers together (a message to d neighbours counts d times), averaged
+        # over the run's rounds, seeding rounds included; the same meaning in both drivers
+        "bytes_sent_per_client_per_round": (sum(h.get("bytes_sent_per_client", 0.0) for h in history)
+                                            / max(len(history), 1)),
         "wall_seconds": wall,
         "seconds_per_round": sum(h["seconds"] for h in history) / max(len(history), 1),
         "warnings": warnings,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -98,6 +99,19 @@ def encode_message(
         "version": WIRE_VERSION,
     }
     return body, headers
+
+
+def body_bytes(spec: Spec, shapes: Mapping[str, tuple[int, ...]], model_dtype: torch.dtype = torch.float32) -> int:
+    """The length of `encode_message`'s body for tensors of these shapes (the safetensors header included),
+    without the tensors: what the simulator counts as sent for a message the message driver would publish."""
+    key = tuple(sorted((n, tuple(shapes[n]), str(_wire_dtype(s, model_dtype))) for n, s in spec.items()))
+    return _body_bytes(key)
+
+
+@lru_cache(maxsize=256)
+def _body_bytes(key: tuple[tuple[str, tuple[int, ...], str], ...]) -> int:
+    dtypes = {str(d): d for d in (torch.float16, torch.float32, torch.float64, torch.int64)}
+    return len(st_save({n: torch.empty(shape, dtype=dtypes[d]) for n, shape, d in key}))
 
 
 def _int_header(headers: Mapping[str, object], key: str) -> int:

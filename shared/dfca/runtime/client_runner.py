@@ -262,7 +262,7 @@ class ClientRunner:
                 incarnation=self.incarnation, round=t + 1, clients=driver.ids, complete=complete,
                 seconds=time.perf_counter() - began, evaluation=driver.report() if evaluate else None,
                 stats=driver.stats.as_dict(), lag_seconds=transport.take_lag(),
-                bytes_published=transport.take_bytes_published(), dead_neighbours=sorted(driver.liveness.dead),
+                bytes_published=driver.take_bytes_sent(), dead_neighbours=sorted(driver.liveness.dead),
             ))
             if finished:
                 break

@@ -100,6 +100,7 @@ class MessageDriver:
         self.sightings: dict[int, int] = {}  # sender -> the latest round heard from it
         self.liveness = NeighbourLiveness()
         self.stats = DriverStats()
+        self.bytes_sent = 0  # payload bytes the hosted clients sent since `take_bytes_sent`, once per receiver
         self.opened_at, self.first_arrival = 0.0, None  # of the open exchange
         self._next_check = 0.0
 
@@ -188,6 +189,10 @@ class MessageDriver:
         for delivery in held:
             self._route(delivery)
 
+    def take_bytes_sent(self) -> int:
+        sent, self.bytes_sent = self.bytes_sent, 0
+        return sent
+
     def publish(self, ex: Exchange) -> None:
         """Every hosted row's message of `ex`, one publish each (the broker fans it out)."""
         out = self.algorithm.send(ex)
@@ -201,6 +206,9 @@ class MessageDriver:
             self.transport.publish(topics.MODELS_EXCHANGE, topics.model_key(self.experiment, sender, part), body,
                                    headers)
             self.stats.published += 1
+            if self.side == "clients":  # a client's traffic: the body once per receiver, as the simulator counts
+                receivers = 1 if ex.receiver == "server" else len(self.algorithm.ctx.graph.get(sender, ()))
+                self.bytes_sent += len(body) * receivers
 
     def collect(self, timeout: float) -> bool:
         """Receive the open exchange's messages until none is due or its deadline passes. True if none is missing."""

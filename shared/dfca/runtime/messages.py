@@ -79,7 +79,8 @@ class RoundReport(Document):
     )
     stats: dict[str, Any] = Field(default_factory=dict, description="DriverStats.as_dict(), cumulative per incarnation")
     lag_seconds: float = Field(0.0, description="mean seconds from a neighbour's publish to its delivery here")
-    bytes_published: int = Field(0, description="model payload bytes this worker published this round")
+    bytes_published: int = Field(0, description="payload bytes this worker's clients sent this round, each message "
+                                 "counted once per receiver (as the simulator counts)")
     dead_neighbours: list[int] = Field(default_factory=list)
     at: float = Field(default_factory=time.time)
 

@@ -8,7 +8,8 @@ restarts and where each restarted worker resumed. FedSPD's runs add each live cl
 with metrics of its own (`Algorithm.run_metrics`: the k-means algorithms' GCD and CV) adds them, per round
 and in the summary, computed as the simulator computes them.
 Per-round seconds are the slowest worker's wall time for that round (workers wait for each other).
-`bytes_sent_per_client_per_round` counts what a client publishes (one message; the broker fans it out).
+`bytes_sent_per_client_per_round` is what the simulator reports: the payload bytes a client sent, each message
+counted once per receiver, averaged over the rounds.
 """
 
 from __future__ import annotations
