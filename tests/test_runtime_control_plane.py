@@ -130,7 +130,7 @@ def test_start_tells_workers_their_graph_and_stop_tells_them_to_stop(client: Tes
     topology = client.get(f"/experiments/{experiment}/topology").json()
     assert start.neighbours == {int(c): m for c, m in topology["neighbours"].items()}
     assert all(start.neighbours[c] and c not in start.neighbours[c] for c in range(9))
-    assert topology["assignment"] == {str(w): clients_of(w, 3, 9) for w in range(3)}
+    assert topology["worker_clients"] == {str(w): clients_of(w, 3, 9) for w in range(3)}
     stopped = client.post(f"/experiments/{experiment}:stop", headers=AUTH)
     assert stopped.json()["status"] == "stopping"
     assert [type(c) for c in probe.commands()] == [StopCommand]
@@ -215,7 +215,7 @@ def test_an_experiment_with_no_finished_worker_failed() -> None:
 def test_the_worker_count_comes_from_presence_when_not_configured(broker: InMemoryBroker) -> None:
     coordinator = Coordinator(InMemoryTransport(broker), "dtest", workers=None)
     cfg = ExperimentConfig.model_validate(small())
-    assert coordinator.worker_count(cfg) == cfg.runtime.workers == 1
+    assert cfg.runtime.workers is None and coordinator.worker_count(cfg) == 1
     coordinator.on_event(PresenceEvent(deployment="dtest", worker=1, workers=4))
     coordinator.on_event(PresenceEvent(deployment="other", worker=0, workers=7))
     assert coordinator.worker_count(cfg) == 4

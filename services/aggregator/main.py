@@ -18,8 +18,17 @@ from fastapi import FastAPI
 from dfca import topics
 from dfca.runtime.central_roles import CENTRAL_ROLES, ServerRole
 from dfca.runtime.event_consumer import QueueConsumer
+from dfca.runtime.experiments import HEARTBEAT_S
 from dfca.runtime.http_service import add_health_routes, serve
-from dfca.runtime.messages import GoCommand, StartCommand, StopCommand, TopologyChange, decode_control
+from dfca.runtime.messages import (
+    GoCommand,
+    PresenceEvent,
+    StartCommand,
+    StopCommand,
+    TopologyChange,
+    decode_control,
+    encode,
+)
 from dfca.runtime.structured_logs import configure_logging
 from dfca.runtime.worker_agent import running_specs
 from dfca.settings import ServiceSettings
@@ -50,8 +59,24 @@ class Aggregator:
         self.transport.declare_queue(self.queue, dead_letter_exchange=topics.DEAD_LETTER_EXCHANGE)
         self.transport.bind(self.queue, topics.CONTROL_EXCHANGE, ALL_EVENTS)
         self.thread.start()
+        threading.Thread(target=self._presence_loop, name="aggregator-presence", daemon=True).start()
         if self.topology_url:
             threading.Thread(target=self._recover_loop, daemon=True).start()
+
+    def _presence_loop(self) -> None:
+        """Announce this aggregator every HEARTBEAT_S, on a connection of its own, so that the topology service
+        starts the algorithms with a central role only while one is there."""
+        transport = connect_transport(self.broker_url, name="dfca-aggregator-presence")
+        try:
+            while not self.stopping.is_set():
+                try:
+                    presence = PresenceEvent(role="aggregator", deployment=self.deployment, worker=0, workers=1)
+                    transport.publish(topics.METRICS_EXCHANGE, topics.PRESENCE_KEY, encode(presence))
+                except Exception as err:  # the transport retries; a missed announcement is harmless
+                    log.warning("presence announcement failed: %s", err)
+                self.stopping.wait(HEARTBEAT_S)
+        finally:
+            transport.close()
 
     def _recover_loop(self) -> None:
         """Resume the central roles of the experiments the topology service says are running."""

@@ -2,7 +2,8 @@
 
 GET /experiments, GET /experiments/{id}/summary (summary.json's fields), GET /experiments/{id}/metrics
 (per-round history and worker state changes), GET /experiments/{id}/events (server-sent events: live
-progress), GET /metrics (Prometheus), /livez, /readyz.
+progress), GET /experiments/{id}/models[/{file}] (the final models and assignments, as `dfca run` saves them),
+GET /experiments/{id}/plots[/{file}] (the plots `dfca run` draws), GET /metrics (Prometheus), /livez, /readyz.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from dfca import topics
 from dfca.runtime.event_consumer import QueueConsumer
+from dfca.runtime.experiment_results import NoResults, model_files, plot_files
 from dfca.runtime.http_service import add_health_routes, serve
 from dfca.runtime.messages import (
     TERMINAL_STATUSES,
     ExperimentEvent,
+    FinalModelsShare,
     PresenceEvent,
     RoundReport,
     WorkerEvent,
@@ -68,11 +71,13 @@ class MetricsCollector:
         self.stopping.set()
         self.thread.join(5)
 
-    def on_event(self, event: RoundReport | WorkerEvent | ExperimentEvent | PresenceEvent) -> None:
+    def on_event(self, event: RoundReport | WorkerEvent | ExperimentEvent | PresenceEvent | FinalModelsShare) -> None:
         if event.deployment != self.deployment or isinstance(event, PresenceEvent):
             return
         if isinstance(event, ExperimentEvent):
             self.store.record_experiment(event)
+        elif isinstance(event, FinalModelsShare):
+            self.store.record_final_models(event)
         elif isinstance(event, RoundReport):
             self.store.record_round(event)
         else:
@@ -135,6 +140,37 @@ def create_app(store: MetricsStore, broker_url: str, collector: MetricsCollector
         await asyncio.to_thread(experiment_or_404, experiment)
         return StreamingResponse(progress_stream(store, experiment), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
+
+    def results_or_404(make: Any, experiment: str) -> dict[str, bytes]:
+        experiment_or_404(experiment)
+        try:
+            return make(store, experiment)  # type: ignore[no-any-return]
+        except NoResults as err:
+            raise HTTPException(404, str(err)) from err
+
+    def one_file(files: dict[str, bytes], experiment: str, name: str) -> Response:
+        if name not in files:
+            raise HTTPException(404, f"experiment {experiment!r} has no file {name!r}; it has {sorted(files)}")
+        media = ("image/png" if name.endswith(".png") else "application/json" if name.endswith(".json")
+                 else "application/octet-stream")
+        return Response(files[name], media_type=media,
+                        headers={"Content-Disposition": f'attachment; filename="{name}"'})
+
+    @app.get("/experiments/{experiment}/models")
+    def models(experiment: str) -> dict[str, Any]:
+        return {"id": experiment, "files": sorted(results_or_404(model_files, experiment))}
+
+    @app.get("/experiments/{experiment}/models/{name}")
+    def model_file(experiment: str, name: str) -> Response:
+        return one_file(results_or_404(model_files, experiment), experiment, name)
+
+    @app.get("/experiments/{experiment}/plots")
+    def plots(experiment: str) -> dict[str, Any]:
+        return {"id": experiment, "files": sorted(results_or_404(plot_files, experiment))}
+
+    @app.get("/experiments/{experiment}/plots/{name}")
+    def plot_file(experiment: str, name: str) -> Response:
+        return one_file(results_or_404(plot_files, experiment), experiment, name)
 
     @app.get("/metrics", include_in_schema=False)
     def prometheus() -> Response:

@@ -253,7 +253,8 @@ class FedCRefConfig(Strict):
 class RuntimeConfig(Strict):
     """Settings of the distributed runtime (`staleness` also decides what the simulator does with late messages)."""
 
-    workers: int = Field(1, ge=1)
+    workers: int | None = Field(None, ge=1, description="the workers the run expects; `:start` refuses it when a "
+                                "different number is present (unset: the workers present)")
     round_timeout: float = Field(30.0, gt=0.0, description="seconds a client waits for neighbours per round")
     payload_dtype: Literal["float32", "float16"] = "float32"
     staleness: Literal["drop", "merge"] = Field(

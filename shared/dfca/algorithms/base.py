@@ -188,6 +188,13 @@ class Algorithm(ABC):
         """Named single models to save (no client dimension)."""
         return {}
 
+    def final_model_sums(self) -> dict[str, tuple[Params, int]]:
+        """This host's share of the run's final models, for a runtime worker: per name, a sum over its clients and
+        how many clients it sums, so that the totals over all workers divided by the counts are `final_models()`
+        of the whole run. By default each of `final_models()` counts for every hosted client."""
+        m = len(self.ctx.clients)
+        return {name: ({n: t * m for n, t in params.items()}, m) for name, params in self.final_models().items()}
+
     @property
     def finished(self) -> bool:
         """The algorithm met its own stopping rule (FedCRef's); both drivers end the run after this round."""
@@ -239,6 +246,17 @@ def state_of(params: Params, **extra: Tensor) -> dict[str, Tensor]:
 
 def params_in(tensors: Mapping[str, Tensor], prefix: str = "params.") -> Params:
     return {n.removeprefix(prefix): v for n, v in tensors.items() if n.startswith(prefix)}
+
+
+def cluster_sums(params: Params, assigned: Tensor, k: int) -> dict[str, tuple[Params, int]]:
+    """`cluster_means`' share of one host: cluster j's members' sum and count, and as `cluster_j@all` every hosted
+    client's copy of j (the model of a cluster that nobody in the whole run is assigned to)."""
+    out: dict[str, tuple[Params, int]] = {}
+    for j in range(k):
+        rows = (assigned == j).nonzero().flatten()
+        out[f"cluster_{j}"] = ({n: t[rows, j].sum(0) for n, t in params.items()}, int(rows.numel()))
+        out[f"cluster_{j}@all"] = ({n: t[:, j].sum(0) for n, t in params.items()}, int(assigned.shape[0]))
+    return out
 
 
 def cluster_means(params: Params, assigned: Tensor, k: int) -> dict[str, Params]:

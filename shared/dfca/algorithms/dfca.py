@@ -38,6 +38,7 @@ from dfca.algorithms.base import (
     LazyTensors,
     Outbox,
     cluster_means,
+    cluster_sums,
     params_in,
     state_of,
 )
@@ -164,6 +165,9 @@ class DFCA(Algorithm):
 
     def final_models(self) -> dict[str, Params]:
         return cluster_means(self.params, assign_clusters(self.losses), self.k)
+
+    def final_model_sums(self) -> dict[str, tuple[Params, int]]:
+        return cluster_sums(self.params, assign_clusters(self.losses), self.k)
 
     def state(self) -> dict[str, Tensor]:
         extra: dict[str, Tensor] = {"losses": self.losses}

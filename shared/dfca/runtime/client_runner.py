@@ -36,9 +36,11 @@ from dfca.config import ExperimentConfig
 from dfca.data import FederatedData, build_federated_data
 from dfca.devices import worker_device
 from dfca.models import build_model
+from dfca.runtime.final_models import encode_sums
 from dfca.runtime.host_transport import HostTransport, RunInterrupted
 from dfca.runtime.message_driver import MessageDriver
 from dfca.runtime.messages import (
+    FinalModelsShare,
     GoCommand,
     RoundReport,
     StopCommand,
@@ -52,7 +54,7 @@ from dfca.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
 
-EventSink = Callable[[RoundReport | WorkerEvent], None]
+EventSink = Callable[[RoundReport | WorkerEvent | FinalModelsShare], None]
 Connect = Callable[[int], Transport]  # prefetch -> a new connection
 MAX_RECOVERIES = 20
 RECOVERY_BACKOFF_S = (1.0, 15.0)
@@ -231,6 +233,7 @@ class ClientRunner:
                 self._report("resumed" if self.status.resumed_from else "ready")
             self._wait_for_go()
             self._rounds(driver, transport, next_round)
+            self._send_final_models(driver)
             self._report("finished")
         finally:
             self._transport = None
@@ -285,6 +288,16 @@ class ClientRunner:
             self._graph = {int(c): list(ms) for c, ms in change.neighbours.items()}
             self._version = change.version
             log.info("round %d: topology version %d applied", t, change.version)
+
+    def _send_final_models(self, driver: MessageDriver) -> None:
+        """The hosted clients' share of the run's final models, for the metrics service to merge and serve."""
+        sums = driver.algorithm.final_model_sums()
+        if not sums:
+            return
+        encoded, digest = encode_sums(sums)
+        self.emit(FinalModelsShare(deployment=self.spec.deployment, experiment=self.spec.experiment,
+                                   worker=self.spec.ordinal, incarnation=self.incarnation, safetensors=encoded,
+                                   sha256=digest))
 
     def _report(self, state: WorkerState, detail: str = "") -> None:
         self.status.state = state

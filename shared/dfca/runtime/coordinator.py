@@ -23,12 +23,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dfca import topics
+from dfca.algorithms import SERVERS
 from dfca.config import ExperimentConfig
 from dfca.graph import build_graph
 from dfca.runtime.event_consumer import QueueConsumer
 from dfca.runtime.experiments import HEARTBEAT_S, RUNTIME_ALGORITHMS, ExperimentRecord
 from dfca.runtime.messages import (
     ExperimentEvent,
+    FinalModelsShare,
     GoCommand,
     PresenceEvent,
     RoundReport,
@@ -80,6 +82,7 @@ class Coordinator:
         self.deployment = deployment
         self.workers = workers
         self.presence: dict[int, tuple[int, float]] = {}  # ordinal -> (its DFCA_WORKERS, last seen)
+        self.aggregator_seen = float("-inf")  # when an aggregator last announced itself
         self.last_heard = clock()  # any event from any worker
         self.heard_again_at = self.last_heard  # after a silence of everyone: nobody is presumed dead before
         # dead_after seconds from here
@@ -141,7 +144,28 @@ class Coordinator:
         if self.workers is not None:
             return self.workers
         recent = [w for w, seen in self.presence.values() if self.clock() - seen < 5 * HEARTBEAT_S]
-        return max(recent, default=cfg.runtime.workers)
+        return max(recent, default=cfg.runtime.workers or 1)
+
+    def present_workers(self) -> int | None:
+        """The workers the deployment runs: DFCA_WORKERS, else what the workers announce; None if unknown."""
+        if self.workers is not None:
+            return self.workers
+        recent = [w for w, seen in self.presence.values() if self.clock() - seen < 5 * HEARTBEAT_S]
+        return max(recent, default=None)
+
+    def check_can_run(self, cfg: ExperimentConfig) -> None:
+        """Refuse (409) what cannot run here: a central-role algorithm with no aggregator, or a config that asks
+        for another number of workers than the deployment has."""
+        if cfg.algorithm in SERVERS and self.clock() - self.aggregator_seen > 5 * HEARTBEAT_S:
+            raise InvalidTransition(
+                f"algorithm {cfg.algorithm!r} needs the aggregator (its server runs there) and no aggregator has "
+                "announced itself: start one (`dfca up --aggregator`, compose `--profile aggregator`, or the k8s "
+                "aggregator Deployment), then start the experiment again")
+        present = self.present_workers()
+        if cfg.runtime.workers is not None and present is not None and cfg.runtime.workers != present:
+            raise InvalidTransition(
+                f"runtime.workers is {cfg.runtime.workers} but {present} workers are present; set runtime.workers "
+                f"to {present} or leave it out (the run uses the workers present)")
 
     def get(self, experiment: str) -> ExperimentRecord:
         with self.lock:
@@ -159,6 +183,7 @@ class Coordinator:
             record = self.get(experiment)
             if record.status != "created":
                 raise InvalidTransition(f"experiment {experiment} is {record.status}; only a created one starts")
+            self.check_can_run(record.config)
             record.workers = self.worker_count(record.config)
             record.start(self.clock())
             self._control(StartCommand(deployment=self.deployment, experiment=record.id, config=record.config,
@@ -209,8 +234,8 @@ class Coordinator:
                 self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(record.id, m))
 
     # -- events and ticks --------------------------------------------------------------------------------
-    def on_event(self, event: RoundReport | WorkerEvent | ExperimentEvent | PresenceEvent) -> None:
-        if event.deployment != self.deployment or isinstance(event, ExperimentEvent):
+    def on_event(self, event: RoundReport | WorkerEvent | ExperimentEvent | PresenceEvent | FinalModelsShare) -> None:
+        if event.deployment != self.deployment or isinstance(event, ExperimentEvent | FinalModelsShare):
             return
         now = self.clock()
         if now - self.last_heard > BUS_SILENCE_S:
@@ -218,7 +243,10 @@ class Coordinator:
             log.info("hearing workers again after %.0f s of silence", now - self.last_heard)
         self.last_heard = now
         if isinstance(event, PresenceEvent):
-            self.presence[event.worker] = (event.workers, self.clock())
+            if event.role == "aggregator":
+                self.aggregator_seen = self.clock()
+            else:
+                self.presence[event.worker] = (event.workers, self.clock())
             return
         with self.lock:
             record = self.records.get(event.experiment)

@@ -74,6 +74,7 @@ class ExperimentRecord:
     stop_requested_at: float | None = None
     failed_clients: list[int] = field(default_factory=list)
     worker_views: dict[int, WorkerView] = field(default_factory=dict)
+    saved_round: int = 0  # `round` when the record was last saved: what a restarted service shows for a finished run
 
     @classmethod
     def new(cls, experiment: str, cfg: ExperimentConfig, graph: nx.Graph, workers: int) -> ExperimentRecord:
@@ -101,6 +102,8 @@ class ExperimentRecord:
     @property
     def round(self) -> int:
         """Rounds completed by every live worker (the slowest one's progress)."""
+        if not self.worker_views:  # restored from disk after the run: nothing heard since
+            return self.saved_round
         live = [self.worker_views[w].round for w in self.hosting_workers()
                 if self.worker_views.get(w) and self.worker_views[w].state not in ("dead", "failed")]
         return min(live, default=0)
@@ -122,7 +125,7 @@ class ExperimentRecord:
             "id": self.id, "version": self.topology_version, "effective_round": self.effective_round,
             "clients": self.num_clients, "workers": self.workers, "edges": [list(e) for e in self.edges],
             "neighbours": {str(c): m for c, m in self.neighbours().items()},
-            "assignment": {str(w): c for w, c in self.assignment().items()},
+            "worker_clients": {str(w): c for w, c in self.assignment().items()},
         }
 
     # -- transitions ------------------------------------------------------------------------------------
@@ -212,6 +215,7 @@ class ExperimentRecord:
             "edges": [list(e) for e in self.edges], "status": self.status, "topology_version": self.topology_version,
             "effective_round": self.effective_round, "go": self.go, "created_at": self.created_at,
             "started_at": self.started_at, "finished_at": self.finished_at, "failed_clients": self.failed_clients,
+            "round": self.round,
         }
 
     @classmethod
@@ -222,6 +226,7 @@ class ExperimentRecord:
             topology_version=int(data["topology_version"]), effective_round=int(data["effective_round"]),
             go=bool(data["go"]), created_at=float(data["created_at"]), started_at=data["started_at"],
             finished_at=data["finished_at"], failed_clients=list(data["failed_clients"]),
+            saved_round=int(data.get("round", 0)),
         )
         now = time.time()  # a restarted topology service gives every worker a fresh grace period
         record.worker_views = {w: WorkerView(state="running" if record.go else "pending", last_seen=now)

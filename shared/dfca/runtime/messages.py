@@ -99,6 +99,18 @@ class WorkerEvent(Document):
     at: float = Field(default_factory=time.time)
 
 
+class FinalModelsShare(Document):
+    """A worker's share of the run's final models, sent once when its clients finished the last round
+    (`dfca.runtime.final_models`): base64 safetensors of per-model sums and counts, with the sha256 of the bytes."""
+
+    kind: Literal["final_models"] = "final_models"
+    worker: int
+    incarnation: str
+    safetensors: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    at: float = Field(default_factory=time.time)
+
+
 class ExperimentEvent(Document):
     """The topology service's view of an experiment, sent on every status change."""
 
@@ -110,11 +122,13 @@ class ExperimentEvent(Document):
 
 
 class PresenceEvent(BaseModel):
-    """A worker process announces itself every few seconds, experiment or not: the topology service
-    learns how many workers the deployment runs (their DFCA_WORKERS) without being told."""
+    """A worker process (or the aggregator) announces itself every few seconds, experiment or not: the topology
+    service learns how many workers the deployment runs (their DFCA_WORKERS), and whether an aggregator is there
+    for the algorithms with a central role, without being told."""
 
     model_config = ConfigDict(extra="forbid")
     kind: Literal["presence"] = "presence"
+    role: Literal["worker", "aggregator"] = "worker"
     deployment: str
     worker: int
     workers: int = Field(ge=1)
@@ -122,7 +136,8 @@ class PresenceEvent(BaseModel):
 
 
 
-Event = Annotated[RoundReport | WorkerEvent | ExperimentEvent | PresenceEvent, Field(discriminator="kind")]
+Event = Annotated[RoundReport | WorkerEvent | ExperimentEvent | PresenceEvent | FinalModelsShare,
+                  Field(discriminator="kind")]
 _event = TypeAdapter(Event)
 
 
@@ -145,5 +160,5 @@ def decode_control(body: bytes) -> StartCommand | GoCommand | StopCommand | Topo
     return _decode(_control, body)  # type: ignore[no-any-return]
 
 
-def decode_event(body: bytes) -> RoundReport | WorkerEvent | ExperimentEvent | PresenceEvent:
+def decode_event(body: bytes) -> RoundReport | WorkerEvent | ExperimentEvent | PresenceEvent | FinalModelsShare:
     return _decode(_event, body)  # type: ignore[no-any-return]

@@ -17,7 +17,7 @@ from sqlalchemy import Boolean, Float, Integer, String, Text, UniqueConstraint, 
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from dfca.config import ExperimentConfig
-from dfca.runtime.messages import ExperimentEvent, RoundReport, WorkerEvent
+from dfca.runtime.messages import ExperimentEvent, FinalModelsShare, RoundReport, WorkerEvent
 
 
 class Base(DeclarativeBase):
@@ -67,6 +67,20 @@ class WorkerEventRow(Base):
     round: Mapped[int] = mapped_column(Integer)
     resumed_from: Mapped[int | None] = mapped_column(Integer, nullable=True)
     detail: Mapped[str] = mapped_column(Text, default="")
+    at: Mapped[float] = mapped_column(Float)
+
+
+class FinalModelsRow(Base):
+    """Each worker's latest share of an experiment's final models (`dfca.runtime.final_models`)."""
+
+    __tablename__ = "final_models"
+    __table_args__ = (UniqueConstraint("experiment", "worker"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    experiment: Mapped[str] = mapped_column(String(80), index=True)
+    worker: Mapped[int] = mapped_column(Integer)
+    incarnation: Mapped[str] = mapped_column(String(16))
+    safetensors: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
     at: Mapped[float] = mapped_column(Float)
 
 
@@ -158,6 +172,25 @@ class MetricsStore:
                 experiment=event.experiment, worker=event.worker, incarnation=event.incarnation, state=event.state,
                 round=event.round, resumed_from=event.resumed_from, detail=event.detail, at=event.at,
             ))
+
+    def record_final_models(self, share: FinalModelsShare) -> None:
+        """Keep a worker's share of the final models (a restarted worker's replaces its earlier one)."""
+        with self._write, Session(self.engine) as session:
+            row = session.scalars(select(FinalModelsRow).where(FinalModelsRow.experiment == share.experiment,
+                                                               FinalModelsRow.worker == share.worker)).first()
+            if row is None:
+                row = FinalModelsRow(experiment=share.experiment, worker=share.worker)
+                session.add(row)
+            row.incarnation, row.safetensors, row.sha256, row.at = (share.incarnation, share.safetensors,
+                                                                    share.sha256, share.at)
+            session.commit()
+
+    def final_model_shares(self, experiment: str) -> list[tuple[int, str, str]]:
+        """(worker, base64 safetensors, sha256) of every worker's share, by worker."""
+        with Session(self.engine) as session:
+            rows = session.scalars(select(FinalModelsRow).where(FinalModelsRow.experiment == experiment)
+                                   .order_by(FinalModelsRow.worker)).all()
+            return [(r.worker, r.safetensors, r.sha256) for r in rows]
 
     def record_dead_letter(self, experiment: str, exchange: str, routing_key: str) -> None:
         with self._write, Session(self.engine) as session, session.begin():

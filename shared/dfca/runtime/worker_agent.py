@@ -22,6 +22,7 @@ from dfca.runtime.client_runner import ClientRunner, RunSpec
 from dfca.runtime.event_consumer import QueueConsumer
 from dfca.runtime.experiments import HEARTBEAT_S
 from dfca.runtime.messages import (
+    FinalModelsShare,
     GoCommand,
     PresenceEvent,
     RoundReport,
@@ -125,7 +126,7 @@ class WorkerAgent:
                  extra={"experiment": spec.experiment, "worker": self.ordinal})
         runner.start()
 
-    def emit(self, event: RoundReport | WorkerEvent) -> None:
+    def emit(self, event: RoundReport | WorkerEvent | FinalModelsShare) -> None:
         self.transport.publish(topics.METRICS_EXCHANGE, topics.metrics_key(event.experiment, event.kind),
                                encode(event))
 

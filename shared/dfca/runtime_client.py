@@ -1,0 +1,155 @@
+"""A client of the runtime's two REST APIs (topology and metrics), for `dfca submit|status|stop|logs|results`.
+
+Every failure becomes `ApiError` with a message a user can act on: which service could not be reached and how to
+start it, a missing token, an unknown experiment, a refused start, or a config's field errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+DEFAULT_TOPOLOGY_URL = "http://127.0.0.1:8080"
+DEFAULT_METRICS_URL = "http://127.0.0.1:8081"
+TERMINAL = ("completed", "failed", "stopped")
+
+
+class ApiError(RuntimeError):
+    """A REST call that failed; the message says why and what to do. `status`: the HTTP status, if one came."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    topology: str
+    metrics: str
+    token: str
+
+    @classmethod
+    def resolve(cls, topology: str | None, metrics: str | None, token: str | None) -> Endpoints:
+        """Flags first, then DFCA_TOPOLOGY_URL, DFCA_METRICS_URL and DFCA_API_TOKEN, then the `dfca up` defaults."""
+        return cls((topology or os.environ.get("DFCA_TOPOLOGY_URL") or DEFAULT_TOPOLOGY_URL).rstrip("/"),
+                   (metrics or os.environ.get("DFCA_METRICS_URL") or DEFAULT_METRICS_URL).rstrip("/"),
+                   token if token is not None else os.environ.get("DFCA_API_TOKEN", ""))
+
+
+class RuntimeClient:
+    def __init__(self, endpoints: Endpoints, timeout: float = 30.0) -> None:
+        self.endpoints = endpoints
+        headers = {"Authorization": f"Bearer {endpoints.token}"} if endpoints.token else {}
+        self.topology = httpx.Client(base_url=endpoints.topology, timeout=timeout, headers=headers)
+        self.metrics = httpx.Client(base_url=endpoints.metrics, timeout=timeout, headers=headers)
+
+    def close(self) -> None:
+        self.topology.close()
+        self.metrics.close()
+
+    # -- calls -------------------------------------------------------------------------------------------------
+    def _call(self, client: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        service = "topology" if client is self.topology else "metrics"
+        try:
+            response = client.request(method, path, **kwargs)
+        except httpx.TransportError as err:
+            raise ApiError(f"cannot reach the {service} service at {client.base_url} ({type(err).__name__}); is the "
+                           f"stack running? Start it with `dfca up`, or point DFCA_{service.upper()}_URL (or "
+                           f"--{service}) at it") from err
+        if response.status_code < 400:
+            return response
+        detail = _detail(response)
+        if response.status_code == 401:
+            raise ApiError(f"the {service} service refused the call (401: {detail}); set DFCA_API_TOKEN or --token "
+                           "to the stack's API token", 401)
+        if response.status_code == 422:
+            raise ApiError(f"the config was refused: {detail}", 422)
+        raise ApiError(f"{method} {client.base_url}{path}: {response.status_code} {detail}", response.status_code)
+
+    def create(self, config: dict[str, Any]) -> str:
+        return str(self._call(self.topology, "POST", "/experiments", json=config).json()["id"])
+
+    def start(self, experiment: str) -> dict[str, Any]:
+        return dict(self._call(self.topology, "POST", f"/experiments/{experiment}:start").json())
+
+    def stop(self, experiment: str) -> dict[str, Any]:
+        return dict(self._call(self.topology, "POST", f"/experiments/{experiment}:stop").json())
+
+    def experiment(self, experiment: str) -> dict[str, Any]:
+        return dict(self._call(self.topology, "GET", f"/experiments/{experiment}").json())
+
+    def experiments(self) -> list[dict[str, Any]]:
+        return list(self._call(self.topology, "GET", "/experiments").json())
+
+    def summary(self, experiment: str) -> dict[str, Any] | None:
+        """The metrics service's summary, or None when it has not heard of the experiment (yet)."""
+        try:
+            return dict(self._call(self.metrics, "GET", f"/experiments/{experiment}/summary").json())
+        except ApiError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def history(self, experiment: str) -> dict[str, Any]:
+        return dict(self._call(self.metrics, "GET", f"/experiments/{experiment}/metrics").json())
+
+    def files(self, experiment: str, kind: str) -> dict[str, bytes] | None:
+        """Every file of `kind` ("models" or "plots") of an experiment; None when the service has none."""
+        try:
+            names = self._call(self.metrics, "GET", f"/experiments/{experiment}/{kind}").json()["files"]
+        except ApiError as err:
+            if err.status == 404:
+                return None
+            raise
+        return {name: self._call(self.metrics, "GET", f"/experiments/{experiment}/{kind}/{name}").content
+                for name in names}
+
+    def events(self, experiment: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The experiment's server-sent events (progress, status, summary) until the stream ends."""
+        try:
+            with httpx.stream("GET", f"{self.endpoints.metrics}/experiments/{experiment}/events",
+                              headers=self.metrics.headers, timeout=httpx.Timeout(10.0, read=60.0)) as response:
+                if response.status_code == 404:
+                    return
+                if response.status_code >= 400:
+                    raise ApiError(f"events of {experiment}: {response.status_code} {response.read()[:200]!r}")
+                event = ""
+                for line in response.iter_lines():
+                    if line.startswith("event: "):
+                        event = line[len("event: "):]
+                    elif line.startswith("data: ") and event:
+                        yield event, json.loads(line[len("data: "):])
+                        event = ""
+        except httpx.TransportError:  # the stream broke: the caller reconnects or polls
+            return
+
+    def follow(self, experiment: str, poll_s: float = 1.0) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Events until the experiment ends, reconnecting when the stream breaks or the metrics service has not
+        heard of the experiment yet; ends with one `status` event of the terminal status."""
+        while True:
+            for event, data in self.events(experiment):
+                yield event, data
+                if event == "summary":
+                    return
+            record = self.experiment(experiment)
+            if record["status"] in TERMINAL:
+                yield "status", {"status": record["status"], "failed_clients": record.get("failed_clients", [])}
+                return
+            time.sleep(poll_s)
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        detail = response.json().get("detail", response.text)
+    except (ValueError, AttributeError):
+        return response.text[:500]
+    if isinstance(detail, list):  # pydantic's field errors
+        return "; ".join(f"{'.'.join(str(p) for p in e.get('loc', [])[1:]) or 'config'}: {e.get('msg')}"
+                         for e in detail)
+    return str(detail)
