@@ -3,7 +3,8 @@
 GET /experiments, GET /experiments/{id}/summary (summary.json's fields), GET /experiments/{id}/metrics
 (per-round history and worker state changes), GET /experiments/{id}/events (server-sent events: live
 progress), GET /experiments/{id}/models[/{file}] (the final models and assignments, as `dfca run` saves them),
-GET /experiments/{id}/plots[/{file}] (the plots `dfca run` draws), GET /metrics (Prometheus), /livez, /readyz.
+GET /experiments/{id}/plots[/{file}] (the plots `dfca run` draws), GET /metrics (Prometheus), /livez, /readyz,
+and the web dashboard at /ui (`dfca.runtime.dashboard`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dfca import topics
+from dfca.runtime.dashboard import add_dashboard
 from dfca.runtime.event_consumer import QueueConsumer
 from dfca.runtime.experiment_results import NoResults, model_files, plot_files
 from dfca.runtime.http_service import add_health_routes, serve
@@ -35,7 +37,7 @@ from dfca.runtime.messages import (
 )
 from dfca.runtime.metrics_store import MetricsStore
 from dfca.runtime.prometheus_export import RuntimeCollector
-from dfca.runtime.run_summary import history, summarize
+from dfca.runtime.run_summary import history, summary_of
 from dfca.runtime.structured_logs import configure_logging
 from dfca.settings import ServiceSettings
 from dfca.topics import ALL_EVENTS, dead_letter_tap_queue, deployment_tag, events_queue
@@ -97,7 +99,8 @@ class MetricsCollector:
                 self.stopping.wait(1.0)
 
 
-def create_app(store: MetricsStore, broker_url: str, collector: MetricsCollector | None = None) -> FastAPI:
+def create_app(store: MetricsStore, broker_url: str, collector: MetricsCollector | None = None,
+               topology_url: str | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
@@ -108,6 +111,7 @@ def create_app(store: MetricsStore, broker_url: str, collector: MetricsCollector
     registry = CollectorRegistry()
     registry.register(RuntimeCollector(store))
     add_health_routes(app, broker_url, collector.thread.is_alive if collector is not None else (lambda: True))
+    add_dashboard(app, store, topology_url)
 
     def experiment_or_404(experiment: str) -> Any:
         stored = store.experiment(experiment)
@@ -179,12 +183,6 @@ def create_app(store: MetricsStore, broker_url: str, collector: MetricsCollector
     return app
 
 
-def summary_of(store: MetricsStore, experiment: str) -> dict[str, Any]:
-    stored = store.experiment(experiment)
-    assert stored is not None
-    return summarize(stored, store.reports(experiment), store.worker_events(experiment), store.dead_letters(experiment))
-
-
 def sse(event: str, data: dict[str, Any]) -> str:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n"
 
@@ -224,7 +222,7 @@ def main() -> None:
     collector = MetricsCollector(transport, store, deployment_tag(settings.topology_url))
     collector.open()
     try:
-        serve(create_app(store, settings.broker_url, collector), settings.host, settings.port)
+        serve(create_app(store, settings.broker_url, collector, settings.topology_url), settings.host, settings.port)
     finally:
         collector.close()
         transport.close()

@@ -27,7 +27,7 @@ from dfca.core.soft_assignment import mixture_error
 from dfca.data import FederatedData, build_federated_data
 from dfca.evaluation import assignment_counts, cluster_accuracy, cluster_ari, populated_clusters
 from dfca.graph import build_graph, neighbours
-from dfca.runtime.metrics_store import StoredExperiment, StoredReport
+from dfca.runtime.metrics_store import MetricsStore, StoredExperiment, StoredReport
 from dfca.simulator import build_summary, last_rounds_means
 
 COUNTED_STATS = ("published", "applied", "ignored", "duplicates", "stale_dropped", "stale_merged", "not_neighbour",
@@ -195,6 +195,13 @@ def summarize(
         "resumed_from": {str(e["worker"]): e["resumed_from"] for e in worker_events if e["state"] == "resumed"},
     })
     return summary
+
+
+def summary_of(store: MetricsStore, experiment: str) -> dict[str, Any]:
+    """The summary of an experiment the store knows."""
+    stored = store.experiment(experiment)
+    assert stored is not None
+    return summarize(stored, store.reports(experiment), store.worker_events(experiment), store.dead_letters(experiment))
 
 
 def mixture_fields(final: dict[str, list[Any]]) -> dict[str, Any]:
