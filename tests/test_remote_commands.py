@@ -86,7 +86,7 @@ def test_submit_wait_status_logs_and_results_on_a_real_stack(rabbitmq_url: str, 
         monkeypatch.setenv("DFCA_TOPOLOGY_URL", stack.options.topology_url)
         monkeypatch.setenv("DFCA_METRICS_URL", stack.options.metrics_url)
         monkeypatch.setenv("DFCA_API_TOKEN", TOKEN)
-        cfg = write_config(tmp_path, name="cli", rounds=4)
+        cfg = write_config(tmp_path, name="cli", rounds=6, dfca={"variant": "paper"})  # one exchange a round
         submitted = runner.invoke(app, ["submit", str(cfg), "--wait", "--set", "runtime.workers=3"])
         assert submitted.exit_code == 0, submitted.output
         experiment = re.search(r"^(cli-[0-9a-f]+)$", submitted.output, re.MULTILINE).group(1)  # stdout: the id
@@ -121,7 +121,7 @@ def check_models_classify(folder: Path, assignments: list[int], accuracy: float)
     from dfca.data import build_federated_data
     from dfca.models import build_model
 
-    cfg = ExperimentConfig.model_validate(rotated_mnist(name="cli", rounds=4))
+    cfg = ExperimentConfig.model_validate(rotated_mnist(name="cli", rounds=6, dfca={"variant": "paper"}))
     data = build_federated_data(cfg)
     model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, "cpu")
     correct = total = 0

@@ -160,21 +160,19 @@ def create_app(store: MetricsStore, broker_url: str, collector: MetricsCollector
         return Response(files[name], media_type=media,
                         headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
-    @app.get("/experiments/{experiment}/models")
-    def models(experiment: str) -> dict[str, Any]:
-        return {"id": experiment, "files": sorted(results_or_404(model_files, experiment))}
+    def add_file_routes(kind: str, make: Any) -> None:
+        """GET /experiments/{id}/<kind> lists the files, GET /experiments/{id}/<kind>/{name} serves one."""
 
-    @app.get("/experiments/{experiment}/models/{name}")
-    def model_file(experiment: str, name: str) -> Response:
-        return one_file(results_or_404(model_files, experiment), experiment, name)
+        @app.get(f"/experiments/{{experiment}}/{kind}", name=f"list {kind}")
+        def listing(experiment: str) -> dict[str, Any]:
+            return {"id": experiment, "files": sorted(results_or_404(make, experiment))}
 
-    @app.get("/experiments/{experiment}/plots")
-    def plots(experiment: str) -> dict[str, Any]:
-        return {"id": experiment, "files": sorted(results_or_404(plot_files, experiment))}
+        @app.get(f"/experiments/{{experiment}}/{kind}/{{name}}", name=f"one of the {kind}")
+        def one(experiment: str, name: str) -> Response:
+            return one_file(results_or_404(make, experiment), experiment, name)
 
-    @app.get("/experiments/{experiment}/plots/{name}")
-    def plot_file(experiment: str, name: str) -> Response:
-        return one_file(results_or_404(plot_files, experiment), experiment, name)
+    add_file_routes("models", model_files)
+    add_file_routes("plots", plot_files)
 
     @app.get("/metrics", include_in_schema=False)
     def prometheus() -> Response:

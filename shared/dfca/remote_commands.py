@@ -88,7 +88,8 @@ def register(app: typer.Typer) -> None:
                 return
             table = Table(title="experiments")
             for column in ("id", "name", "algorithm", "status", "round", "accuracy", "ARI"):
-                table.add_column(column, justify="right" if column in ("round", "accuracy", "ARI") else "left")
+                table.add_column(column, justify="right" if column in ("round", "accuracy", "ARI") else "left",
+                                 overflow="fold", no_wrap=column == "id")
             for record in client.experiments():
                 summary = client.summary(record["id"]) or {}
                 table.add_row(record["id"], record.get("name", ""), record.get("algorithm", ""), record["status"],
