@@ -7,6 +7,7 @@ DFCA_TOPOLOGY_URL, DFCA_METRICS_URL and DFCA_API_TOKEN, else the addresses `dfca
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from rich.table import Table
 
 from dfca.config import ConfigError, load_config
 from dfca.run_folder import OutFolderRefused, prepare_out, written_files
-from dfca.runtime_client import TERMINAL, ApiError, Endpoints, RuntimeClient
+from dfca.runtime_client import TERMINAL, ApiError, Endpoints, RuntimeClient, WaitTimedOut
 
 console = Console(stderr=True)
 TOPOLOGY = typer.Option(None, "--topology", help="topology service URL [env DFCA_TOPOLOGY_URL; default :8080]")
@@ -53,9 +54,14 @@ def register(app: typer.Typer) -> None:
         sets: list[str] = typer.Option(None, "--set", help="override one field, e.g. --set train.lr=0.05"),
         wait: bool = typer.Option(False, "--wait", help="follow the run with a progress bar until it ends"),
         start: bool = typer.Option(True, "--start/--no-start", help="start it after creating it"),
+        timeout: float = typer.Option(None, "--timeout", min=0.0,
+                                      help="with --wait: give up waiting after this many seconds (exit 124; the "
+                                           "experiment keeps running) [default: as long as the run goes]"),
         topology: str = TOPOLOGY, metrics: str = METRICS, token: str = TOKEN,
     ) -> None:
-        """Validate a config, create it on the runtime and start it; print its id."""
+        """Validate a config, create it on the runtime and start it; print its id.
+
+        With --wait, follow it to the end and exit 0 when it completed, 1 when it failed or was stopped."""
 
         def body() -> int | None:
             cfg = load_config(config, sets or [])
@@ -68,7 +74,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"[bold]{experiment}[/]: {cfg.algorithm}, {cfg.data.clients} clients on "
                           f"{started.get('workers')} workers; follow it with `dfca logs {experiment}`")
             print(experiment)
-            return watch(client, experiment) if wait else None
+            return watch(client, experiment, timeout) if wait else None
 
         failing(body)
 
@@ -101,11 +107,24 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def stop(experiment: str = typer.Argument(..., help="experiment id"),
+             wait: float = typer.Option(30.0, "--wait", min=0.0,
+                                        help="seconds to wait for the workers to stop it (0: only ask)"),
              topology: str = TOPOLOGY, metrics: str = METRICS, token: str = TOKEN) -> None:
-        """Stop a running experiment."""
+        """Stop an experiment; wait until it has stopped (exit 1 if it has not within --wait seconds)."""
 
-        def body() -> None:
-            console.print(f"{experiment}: {client_for(topology, metrics, token).stop(experiment)['status']}")
+        def body() -> int | None:
+            client = client_for(topology, metrics, token)
+            state = client.stop(experiment)["status"]
+            deadline = time.monotonic() + wait
+            while state not in TERMINAL and time.monotonic() < deadline:
+                time.sleep(0.5)
+                state = client.experiment(experiment)["status"]
+            console.print(f"{experiment}: {state}")
+            if state not in TERMINAL and wait > 0:
+                console.print(f"[yellow]{experiment} has not stopped after {wait:g} s;[/] `dfca status "
+                              f"{experiment}` shows when it does")
+                return 1
+            return None
 
         failing(body)
 
@@ -115,7 +134,7 @@ def register(app: typer.Typer) -> None:
              topology: str = TOPOLOGY, metrics: str = METRICS, token: str = TOKEN) -> None:
         """Print an experiment's events (rounds, status changes, the summary), following them until the run ends."""
 
-        def body() -> None:
+        def body() -> int | None:
             client = client_for(topology, metrics, token)
             if not follow:
                 history = client.history(experiment)
@@ -124,9 +143,14 @@ def register(app: typer.Typer) -> None:
                 for event in history["worker_events"]:
                     print(f"worker {event['worker']}: {event['state']} at round {event['round']}")
                 print(f"status: {history['status']}")
-                return
-            for event, data in client.follow(experiment):
-                print(event_line(event, data))
+                return None
+            try:
+                for event, data in client.follow(experiment):
+                    print(event_line(event, data))
+            except KeyboardInterrupt:
+                console.print(f"stopped following; {experiment} keeps running")
+                return 130
+            return None
 
         failing(body)
 
@@ -175,15 +199,17 @@ def write_results(client: RuntimeClient, experiment: str, record: dict[str, Any]
     console.print(f"wrote {out}/: " + ", ".join(written_files(out)), soft_wrap=True)
 
 
-def watch(client: RuntimeClient, experiment: str) -> int:
-    """A progress bar over the experiment's rounds until it ends; 0 when it completed, else 1."""
+def watch(client: RuntimeClient, experiment: str, timeout: float | None = None) -> int:
+    """A progress bar over the experiment's rounds until it ends, then its summary table: 0 when it completed,
+    1 when it failed or was stopped, 124 when `timeout` seconds passed first, 130 on Ctrl-C (it keeps running)."""
     total = int(client.experiment(experiment).get("rounds") or 0) or None
+    deadline = None if timeout is None else time.monotonic() + timeout
     final = "running"
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console) as progress:
             task = progress.add_task(experiment, total=total, status="")
-            for event, data in client.follow(experiment):
+            for event, data in client.follow(experiment, deadline=deadline):
                 if event == "progress":
                     progress.update(task, completed=data["round"], status=data.get("status", ""))
                 elif event == "status":
@@ -196,6 +222,10 @@ def watch(client: RuntimeClient, experiment: str) -> int:
     except KeyboardInterrupt:
         console.print(f"stopped watching; {experiment} keeps running (`dfca stop {experiment}` stops it)")
         return 130
+    except WaitTimedOut:
+        console.print(f"[yellow]gave up waiting after {timeout:g} s;[/] {experiment} keeps running "
+                      f"(`dfca logs {experiment}` follows it, `dfca stop {experiment}` stops it)")
+        return 124
     summary = client.summary(experiment) or {}
     if final not in TERMINAL:
         final = client.experiment(experiment)["status"]

@@ -18,6 +18,7 @@ import httpx
 DEFAULT_TOPOLOGY_URL = "http://127.0.0.1:8080"
 DEFAULT_METRICS_URL = "http://127.0.0.1:8081"
 TERMINAL = ("completed", "failed", "stopped")
+METRICS_DOWN_LIMIT_S = 30.0  # `follow` gives up on a metrics service that refuses connections this long
 
 
 class ApiError(RuntimeError):
@@ -26,6 +27,14 @@ class ApiError(RuntimeError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class ServiceUnreachable(ApiError):
+    """No connection to a service at all (not running, wrong URL)."""
+
+
+class WaitTimedOut(TimeoutError):
+    """`follow` passed its deadline before the experiment ended (the experiment itself keeps running)."""
 
 
 @dataclass(frozen=True)
@@ -43,11 +52,16 @@ class Endpoints:
 
 
 class RuntimeClient:
-    def __init__(self, endpoints: Endpoints, timeout: float = 30.0) -> None:
+    """Both services' REST calls. `transport`: an httpx transport for both (tests pass an `httpx.MockTransport`)."""
+
+    def __init__(self, endpoints: Endpoints, timeout: float = 30.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
         self.endpoints = endpoints
         headers = {"Authorization": f"Bearer {endpoints.token}"} if endpoints.token else {}
-        self.topology = httpx.Client(base_url=endpoints.topology, timeout=timeout, headers=headers)
-        self.metrics = httpx.Client(base_url=endpoints.metrics, timeout=timeout, headers=headers)
+        self.topology = httpx.Client(base_url=endpoints.topology, timeout=timeout, headers=headers,
+                                     transport=transport)
+        self.metrics = httpx.Client(base_url=endpoints.metrics, timeout=timeout, headers=headers,
+                                    transport=transport)
 
     def close(self) -> None:
         self.topology.close()
@@ -59,9 +73,7 @@ class RuntimeClient:
         try:
             response = client.request(method, path, **kwargs)
         except httpx.TransportError as err:
-            raise ApiError(f"cannot reach the {service} service at {client.base_url} ({type(err).__name__}); is the "
-                           f"stack running? Start it with `dfca up`, or point DFCA_{service.upper()}_URL (or "
-                           f"--{service}) at it") from err
+            raise self._unreachable(client, err) from err
         if response.status_code < 400:
             return response
         detail = _detail(response)
@@ -70,7 +82,17 @@ class RuntimeClient:
                            "to the stack's API token", 401)
         if response.status_code == 422:
             raise ApiError(f"the config was refused: {detail}", 422)
+        if response.status_code == 404 and path.startswith("/experiments/"):
+            experiment = path[len("/experiments/"):].split("/")[0].split(":")[0]
+            raise ApiError(f"unknown experiment {experiment!r} on the {service} service at {client.base_url} "
+                           f"({detail}); `dfca status` lists the experiments there", 404)
         raise ApiError(f"{method} {client.base_url}{path}: {response.status_code} {detail}", response.status_code)
+
+    def _unreachable(self, client: httpx.Client, err: Exception) -> ServiceUnreachable:
+        service = "topology" if client is self.topology else "metrics"
+        return ServiceUnreachable(f"cannot reach the {service} service at {client.base_url} ({type(err).__name__}); "
+                                  f"is the stack running? Start it with `dfca up`, or point DFCA_{service.upper()}_URL "
+                                  f"(or --{service}) at it")
 
     def create(self, config: dict[str, Any]) -> str:
         return str(self._call(self.topology, "POST", "/experiments", json=config).json()["id"])
@@ -110,38 +132,64 @@ class RuntimeClient:
         return {name: self._call(self.metrics, "GET", f"/experiments/{experiment}/{kind}/{name}").content
                 for name in names}
 
-    def events(self, experiment: str) -> Iterator[tuple[str, dict[str, Any]]]:
-        """The experiment's server-sent events (progress, status, summary) until the stream ends."""
+    def events(self, experiment: str, deadline: float | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The experiment's server-sent events (progress, status, summary) until the stream ends or breaks.
+        `deadline` (time.monotonic()): raise WaitTimedOut once it passes, checked on every line (the service
+        sends a keepalive comment every 15 s) and bounding each read."""
+        read = 60.0 if deadline is None else max(0.1, min(60.0, deadline - time.monotonic()))
         try:
-            with httpx.stream("GET", f"{self.endpoints.metrics}/experiments/{experiment}/events",
-                              headers=self.metrics.headers, timeout=httpx.Timeout(10.0, read=60.0)) as response:
+            with self.metrics.stream("GET", f"/experiments/{experiment}/events",
+                                     timeout=httpx.Timeout(10.0, read=read)) as response:
                 if response.status_code == 404:
                     return
                 if response.status_code >= 400:
-                    raise ApiError(f"events of {experiment}: {response.status_code} {response.read()[:200]!r}")
+                    raise ApiError(f"events of {experiment}: {response.status_code} {response.read()[:200]!r}",
+                                   response.status_code)
                 event = ""
                 for line in response.iter_lines():
+                    _check(deadline)
                     if line.startswith("event: "):
                         event = line[len("event: "):]
                     elif line.startswith("data: ") and event:
                         yield event, json.loads(line[len("data: "):])
                         event = ""
-        except httpx.TransportError:  # the stream broke: the caller reconnects or polls
+        except httpx.ConnectError as err:
+            raise self._unreachable(self.metrics, err) from err
+        except httpx.TransportError:  # the stream broke or went quiet: the caller reconnects or polls
+            _check(deadline)
             return
 
-    def follow(self, experiment: str, poll_s: float = 1.0) -> Iterator[tuple[str, dict[str, Any]]]:
+    def follow(self, experiment: str, poll_s: float = 1.0,
+               deadline: float | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
         """Events until the experiment ends, reconnecting when the stream breaks or the metrics service has not
-        heard of the experiment yet; ends with one `status` event of the terminal status."""
+        heard of the experiment yet; ends with the stream's `summary` event or, when the stream ended without
+        one, a `status` event of the terminal status. Raises WaitTimedOut once `deadline` (monotonic) passes,
+        ServiceUnreachable when the metrics service refuses connections for METRICS_DOWN_LIMIT_S (a restart by
+        `dfca up` is shorter)."""
+        down_since: float | None = None
         while True:
-            for event, data in self.events(experiment):
-                yield event, data
-                if event == "summary":
-                    return
+            try:
+                for event, data in self.events(experiment, deadline):
+                    yield event, data
+                    if event == "summary":
+                        return
+            except ServiceUnreachable:
+                down_since = down_since if down_since is not None else time.monotonic()
+                if time.monotonic() - down_since >= METRICS_DOWN_LIMIT_S:
+                    raise
+            else:
+                down_since = None
             record = self.experiment(experiment)
             if record["status"] in TERMINAL:
                 yield "status", {"status": record["status"], "failed_clients": record.get("failed_clients", [])}
                 return
-            time.sleep(poll_s)
+            _check(deadline)
+            time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
+
+
+def _check(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() >= deadline:
+        raise WaitTimedOut()
 
 
 def _detail(response: httpx.Response) -> str:
