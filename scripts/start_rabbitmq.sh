@@ -54,13 +54,30 @@ else
   if id rabbitmq >/dev/null 2>&1; then
     "${SUDO[@]}" chown -R rabbitmq "$RUN_DIR"
   fi
-  "${SUDO[@]}" rm -f "$RUN_DIR/rabbitmq.pid"
-  "${SUDO[@]}" env \
-    RABBITMQ_CONFIG_FILE="$RUN_DIR/rabbitmq.conf" \
-    RABBITMQ_ENABLED_PLUGINS_FILE="$RUN_DIR/enabled_plugins" \
-    RABBITMQ_PID_FILE="$RUN_DIR/rabbitmq.pid" \
-    rabbitmq-server -detached 9>&-
-  ctl wait --timeout 60 "$RUN_DIR/rabbitmq.pid"
+  boot() {  # start the node detached and wait (bounded) until its applications run
+    "${SUDO[@]}" rm -f "$RUN_DIR/rabbitmq.pid"
+    "${SUDO[@]}" env \
+      RABBITMQ_CONFIG_FILE="$RUN_DIR/rabbitmq.conf" \
+      RABBITMQ_ENABLED_PLUGINS_FILE="$RUN_DIR/enabled_plugins" \
+      RABBITMQ_PID_FILE="$RUN_DIR/rabbitmq.pid" \
+      "$@" rabbitmq-server -detached 9>&-
+    timeout 150 "${SUDO[@]}" rabbitmqctl wait --timeout 120 "$RUN_DIR/rabbitmq.pid"
+  }
+  if ! boot; then
+    # A node that does not boot (seen once in CI: stuck waiting for its applications) must fail this script,
+    # not hang it: show why, then try once more with a fresh database of our own.
+    echo "RabbitMQ did not boot within 150 s; the end of its log:" >&2
+    tail -n 40 /var/log/rabbitmq/*.log 2>/dev/null >&2 || true
+    if [ -s "$RUN_DIR/rabbitmq.pid" ]; then
+      "${SUDO[@]}" kill -9 "$(cat "$RUN_DIR/rabbitmq.pid")" 2>/dev/null || true
+    fi
+    sleep 2
+    fresh="$RUN_DIR/mnesia-$(date +%s)"
+    "${SUDO[@]}" mkdir -p "$fresh"
+    if id rabbitmq >/dev/null 2>&1; then "${SUDO[@]}" chown -R rabbitmq "$RUN_DIR"; fi
+    echo "Starting RabbitMQ again with its database in $fresh" >&2
+    boot RABBITMQ_MNESIA_BASE="$fresh"
+  fi
 fi
 
 # Works on a node started elsewhere (systemd, another script) too.

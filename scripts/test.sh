@@ -15,8 +15,9 @@ command -v chromium >/dev/null 2>&1 || missing+=(chromium)            # the dash
 command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
 if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q >/dev/null
-  apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+  timeout 900 apt-get update -q >/dev/null
+  timeout 900 apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
 fi
 python3 -m ruff check shared services tests benchmarks scripts
-python3 -m pytest -q -p no:cacheprovider "$@"
+# --durations: the slowest tests are named in every log (a test that hangs fails at pyproject's per-test timeout)
+python3 -m pytest -q -p no:cacheprovider --durations=15 "$@"

@@ -129,6 +129,57 @@ def test_chunked_message_requeues_and_dead_letters_as_a_whole(connect: Connect, 
     assert transport.receive(queue, 0.3) is None and transport.receive(dead, 0.3) is None
 
 
+MALFORMED_CHUNKS = [
+    {CHUNK_ID: "a", CHUNK_INDEX: "5", CHUNK_COUNT: "1"},  # a part beyond the message's end
+    {CHUNK_ID: "b", CHUNK_INDEX: "-1", CHUNK_COUNT: "2"},
+    {CHUNK_ID: "c", CHUNK_INDEX: "0", CHUNK_COUNT: "0"},
+    {CHUNK_ID: "d", CHUNK_INDEX: "0", CHUNK_COUNT: str(10**12)},  # would be held forever
+    {CHUNK_ID: "e", CHUNK_INDEX: "zero", CHUNK_COUNT: "1"},
+    {CHUNK_ID: "f", CHUNK_COUNT: "1"},
+    {CHUNK_ID: "g", CHUNK_INDEX: "0", CHUNK_COUNT: "2"},  # then part 1 of "g" claims 3 parts
+    {CHUNK_ID: "g", CHUNK_INDEX: "1", CHUNK_COUNT: "3"},
+    {CHUNK_ID: "h", CHUNK_INDEX: b"\xff", CHUNK_COUNT: True},
+]
+
+
+def test_malformed_chunks_are_dead_lettered_once_and_the_consumer_goes_on(
+    connect: Connect, names: Names, rabbitmq_url: str
+) -> None:
+    transport = connect(prefetch=4)
+    dlx, exchange = names.exchange("dlx"), names.exchange("main")
+    transport.declare_exchange(dlx, "fanout")
+    transport.declare_exchange(exchange, "topic")
+    dead, queue = names.queue("dead"), names.queue("main")
+    transport.declare_queue(dead)
+    transport.bind(dead, dlx, "")
+    transport.declare_queue(queue, dead_letter_exchange=dlx)
+    transport.bind(queue, exchange, "#")
+    connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
+    try:
+        channel = connection.channel()
+        for i, headers in enumerate(MALFORMED_CHUNKS):
+            channel.basic_publish(exchange, "k", f"pill {i}".encode(), pika.BasicProperties(headers=headers))
+            channel.basic_publish(exchange, "k", f"good {i}".encode())
+    finally:
+        connection.close()
+
+    good = []
+    for _ in MALFORMED_CHUNKS:
+        message = must_receive(transport, queue)
+        good.append(message.body)
+        transport.ack(message)
+    assert good == [f"good {i}".encode() for i in range(len(MALFORMED_CHUNKS))]
+    assert transport.receive(queue, 0.5) is None
+    assert isinstance(transport, RabbitMQTransport) and transport.connections == 1  # no abort, no redelivery loop
+    pills = sorted(body for _, body in raw_messages(rabbitmq_url, dead))
+    assert pills == sorted(f"pill {i}".encode() for i in range(len(MALFORMED_CHUNKS)))
+
+
+def test_a_body_of_too_many_parts_is_refused(connect: Connect) -> None:
+    with pytest.raises(TransportError, match="at most 1024"):
+        connect(chunk_bytes=16).publish(topics.MODELS_EXCHANGE, "k", b"x" * (16 * 1024 + 1))
+
+
 def test_reserved_headers_are_refused(connect: Connect) -> None:
     with pytest.raises(TransportError):
         connect().publish(topics.MODELS_EXCHANGE, "k", b"x", {CHUNK_INDEX: "0"})

@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dfca.run_size import estimated_run_bytes, gib
+
 AlgorithmName = Literal["dfca", "ifca", "dfedavgm", "fedspd", "local", "fedkmeans", "distkmeans", "dpmm_cfl", "fesem",
                         "fedcref"]
 ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
@@ -18,8 +20,16 @@ MAX_FEDCREF_CLIENTS = 1000
 MAX_CATEGORIES_PER_CLIENT = 63  # a client's clusters travel as the bits of an int64 (algorithms.fedcref)
 
 
+MAX_SEED = 2**32 - 1  # the seeds derived from it (x 1_000_003, x 31 + c) stay inside torch's and numpy's range
+MAX_LR = 10.0
+MAX_EDGES = 2_000_000  # expected edges of the communication graph (built in memory, sent to every worker)
+MAX_RUN_BYTES = 256 << 30  # a run's estimated tensors (estimated_run_bytes) beyond this are refused
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown keys are errors; every float must be finite (NaN and infinity are refused as the field's error)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class DataConfig(Strict):
@@ -29,8 +39,8 @@ class DataConfig(Strict):
     root: str | None = Field(None, description="folder with local dataset files (not needed for mnist-bundled)")
     rotations: list[int] = Field(default_factory=lambda: [0, 90, 180, 270], min_length=1)
     clients: int = Field(40, ge=2, le=100_000)
-    train_per_client: int = Field(100, ge=1)
-    test_per_client: int = Field(25, ge=1)
+    train_per_client: int = Field(100, ge=1, le=100_000)
+    test_per_client: int = Field(25, ge=1, le=100_000)
     permute_per_cluster: bool = Field(
         False, description="each cluster draws its own permutation of the training images (IFCA/paper style)"
     )
@@ -66,13 +76,13 @@ class DataConfig(Strict):
 
 class ModelConfig(Strict):
     kind: Literal["mlp", "cnn"] = "mlp"
-    hidden: int = Field(200, ge=1)
+    hidden: int = Field(200, ge=1, le=65_536)
 
 
 class TrainConfig(Strict):
-    lr: float = Field(0.1, gt=0.0)
-    local_epochs: int = Field(5, ge=0)
-    batch_size: int = Field(50, ge=1)
+    lr: float = Field(0.1, gt=0.0, le=MAX_LR, description=f"SGD step size, finite, at most {MAX_LR:g}")
+    local_epochs: int = Field(5, ge=0, le=10_000)
+    batch_size: int = Field(50, ge=1, le=100_000)
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
     lr_decay: float = Field(1.0, gt=0.0, le=1.0, description="multiplicative lr decay per round")
 
@@ -80,9 +90,9 @@ class TrainConfig(Strict):
 class TopologyConfig(Strict):
     kind: Literal["erdos_renyi", "barabasi_albert", "random_geometric", "ring", "complete"] = "erdos_renyi"
     p: float = Field(0.15, gt=0.0, le=1.0)
-    m: int = Field(2, ge=1)
-    radius: float = Field(0.3, gt=0.0)
-    max_tries: int = Field(1000, ge=1)
+    m: int = Field(2, ge=1, le=100_000)
+    radius: float = Field(0.3, gt=0.0, le=2.0, description="random_geometric: points in the unit square")
+    max_tries: int = Field(1000, ge=1, le=100_000)
 
 
 class NetworkConfig(Strict):
@@ -107,9 +117,9 @@ class DFCAConfig(Strict):
     merge: Literal["paper", "fresh"] | None = Field(
         None, description="paper: eq. 7 keeps the own copy; fresh: an untrained cluster takes only what arrived"
     )
-    warmup_rounds: int = Field(8, ge=0, description="robust: rounds of the warm-up")
-    warmup_gossip_steps: int = Field(10, ge=1, description="robust: gossip steps per warm-up round")
-    gossip_steps: int = Field(3, ge=0, description="robust: gossip steps per round after the warm-up")
+    warmup_rounds: int = Field(8, ge=0, le=100_000, description="robust: rounds of the warm-up")
+    warmup_gossip_steps: int = Field(10, ge=1, le=1000, description="robust: gossip steps per warm-up round")
+    gossip_steps: int = Field(3, ge=0, le=1000, description="robust: gossip steps per round after the warm-up")
     untrained_weight: float = Field(
         0.0, ge=0.0, le=1.0, description="robust: weight of a cluster copy its client did not train this round"
     )
@@ -119,9 +129,10 @@ class DFCAConfig(Strict):
         "(core.seeding, dfca.schedule): each seed is the local model of the client the earlier seeds fit worst; "
         "None: farthest for variant robust, none for variant paper",
     )
-    seed_epochs: int = Field(10, ge=0, description="seeding: local epochs that train each client's candidate")
+    seed_epochs: int = Field(10, ge=0, le=10_000,
+                             description="seeding: local epochs that train each client's candidate")
     flood_rounds: int | None = Field(
-        None, ge=1, description="seeding: rounds per seed slot (>= the graph's diameter); None: a bound "
+        None, ge=1, le=100_000, description="seeding: rounds per seed slot (>= the graph's diameter); None: a bound "
         "from topology and clients (dfca.schedule.diameter_bound)",
     )
 
@@ -138,15 +149,16 @@ class FedSPDConfig(Strict):
     """FedSPD (Lin et al. 2025, Algorithm 1 and Appendix B.1). Learning rate and batch size come from `train`."""
 
     local_epochs: int | None = Field(
-        None, ge=1, description="tau: local epochs over D_is per round; None uses train.local_epochs (B.1: 5)"
+        None, ge=1, le=10_000,
+        description="tau: local epochs over D_is per round; None uses train.local_epochs (B.1: 5)"
     )
     double_first_round: bool = Field(True, description="B.1: the first round runs twice the local epochs")
     final_epochs: int = Field(
-        10, ge=0, description="tau_final: local epochs on all local data after the last round (B.2.2: 10)"
+        10, ge=0, le=10_000, description="tau_final: local epochs on all local data after the last round (B.2.2: 10)"
     )
     lr_decay: float = Field(0.8, gt=0.0, le=1.0, description="B.1: multiplicative learning-rate decay factor")
     lr_decay_every: int = Field(
-        10, ge=1, description="rounds between two decay steps (B.1 states the factor, not the period)"
+        10, ge=1, le=100_000, description="rounds between two decay steps (B.1 states the factor, not the period)"
     )
 
 
@@ -255,7 +267,8 @@ class RuntimeConfig(Strict):
 
     workers: int | None = Field(None, ge=1, description="the workers the run expects; `:start` refuses it when a "
                                 "different number is present (unset: the workers present)")
-    round_timeout: float = Field(30.0, gt=0.0, description="seconds a client waits for neighbours per round")
+    round_timeout: float = Field(30.0, gt=0.0, le=86_400.0,
+                                 description="seconds a client waits for neighbours per round")
     payload_dtype: Literal["float32", "float16"] = "float32"
     staleness: Literal["drop", "merge"] = Field(
         "drop", description="what a client does with a model that arrives after its round (both drivers: the "
@@ -264,7 +277,7 @@ class RuntimeConfig(Strict):
 
 
 class ExperimentConfig(Strict):
-    name: str = "experiment"
+    name: str = Field("experiment", min_length=1, max_length=200)
     algorithm: AlgorithmName = "dfca"
     init: Literal["global", "local"] = "global"
     aggregation: Literal["sequential", "batch"] = "sequential"
@@ -272,8 +285,8 @@ class ExperimentConfig(Strict):
     rounds: int = Field(
         30, ge=1, le=100_000, description="training rounds (robust DFCA seeds its k models in extra rounds first)"
     )
-    seed: int = 0
-    eval_every: int = Field(1, ge=1)
+    seed: int = Field(0, ge=0, le=MAX_SEED, description=f"every random draw of the run follows from it (0..{MAX_SEED})")
+    eval_every: int = Field(1, ge=1, le=100_000)
     device: Literal["cpu", "cuda", "auto"] = Field(
         "cpu", description="where models, data and computation live: `dfca run` here; a worker uses DFCA_DEVICE if "
         "set, else this (auto: the GPU if there is one)",
@@ -317,7 +330,35 @@ class ExperimentConfig(Strict):
         self._check_feature_vectors()
         self._check_label_skew()
         self._check_categories()
+        if (edges := self.expected_edges()) > MAX_EDGES:
+            raise ValueError(f"data.clients, topology: the graph would have about {edges:,.0f} edges, above "
+                             f"{MAX_EDGES:,}: fewer clients or a sparser topology (smaller p or m)")
+        if (needed := self.estimated_bytes()) > MAX_RUN_BYTES:
+            raise ValueError(f"data.clients, model.hidden, data.train_per_client: the run's tensors would take about "
+                             f"{gib(needed)}, above the {gib(MAX_RUN_BYTES)} any one run may use")
         return self
+
+    def expected_edges(self) -> float:
+        n, t = self.data.clients, self.topology
+        pairs = n * (n - 1) / 2
+        if t.kind == "complete":
+            return pairs
+        if t.kind == "erdos_renyi":
+            return pairs * t.p
+        if t.kind == "barabasi_albert":
+            return float(n * t.m)
+        if t.kind == "ring":
+            return float(n)
+        return pairs * min(1.0, 3.1416 * t.radius**2)  # random geometric: a point's disc in the unit square
+
+    def estimated_bytes(self, clients: int | None = None) -> int:
+        """The memory the tensors of `clients` clients (default: all) take, estimated (dfca.run_size)."""
+        d = self.data
+        return estimated_run_bytes(
+            dataset=d.dataset, features=d.features, feature_dim=d.feature_dim, kind=self.model.kind,
+            hidden=self.model.hidden, clients=d.clients if clients is None else clients, clusters=self.clusters,
+            train_per_client=d.train_per_client, test_per_client=d.test_per_client,
+            samples=d.samples_per_category * 64 if d.partition == "categories" else None)
 
     def _check_categories(self) -> None:
         data, fedcref = self.data, self.algorithm == "fedcref"

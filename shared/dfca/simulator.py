@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from dfca.algorithms import Algorithm, Exchange, HostContext, Inbox, Outbox, clients_of, server_of
-from dfca.algorithms.base import SERVER, Evaluation, report_of
+from dfca.algorithms.base import SERVER, Evaluation, check_finite, report_of
 from dfca.algorithms.dfca import warn_if_flood_too_short
 from dfca.collapse import CollapseWatch
 from dfca.config import ExperimentConfig
@@ -42,6 +42,7 @@ from dfca.evaluation import (
 )
 from dfca.graph import adjacency_matrix, build_graph, neighbours
 from dfca.models import BatchedModel, Params, build_model
+from dfca.run_size import check_fits_memory
 from dfca.schedule import RoundSchedule
 from dfca.wire import body_bytes
 
@@ -66,6 +67,8 @@ class SimContext:
 
 def prepare(cfg: ExperimentConfig, data: FederatedData | None = None) -> SimContext:
     device = resolve_device(cfg.device)
+    if data is None:
+        check_fits_memory(cfg.estimated_bytes(), f"this run of {cfg.data.clients} clients")
     data = (data if data is not None else build_federated_data(cfg)).to(device)
     graph = build_graph(cfg.topology, data.num_clients, cfg.seed)
     model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, device)
@@ -135,6 +138,7 @@ class Simulation:
                 p.end_exchange(ex)
         for p in self.participants:
             p.end_round(t)
+        check_finite(self.algorithm, t)
         self.round_bytes = sent / self.ctx.n
         self.total_bytes += self.round_bytes
         self.rounds_run += 1

@@ -233,6 +233,23 @@ class Algorithm(ABC):
         return Evaluation(assigned, acc, loss, params if keeps_k else None)
 
 
+class RunDiverged(RuntimeError):
+    """The models stopped being finite numbers: training diverged (a learning rate too large for the data)."""
+
+
+def check_finite(algorithm: Algorithm, t: int, tensors: Mapping[str, Tensor] | None = None) -> None:
+    """Raise RunDiverged when the models (`tensors`, default the algorithm's `params.*` state) hold NaN or infinite
+    values. The simulator checks after every round; the message driver checks what it is about to send, so a
+    diverged run fails at once with the reason instead of sending NaN models, which receivers reject as invalid,
+    until every round times out."""
+    if tensors is None:
+        tensors = {n.removeprefix("params."): v for n, v in algorithm.state().items() if n.startswith("params.")}
+    bad = sorted(n for n, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    if bad:
+        raise RunDiverged(f"round {t}: the models' {', '.join(bad[:4])} hold NaN or infinite values: training "
+                          f"diverged; lower train.lr (now {algorithm.ctx.cfg.train.lr:g})")
+
+
 def report_of(ev: Evaluation, clients: list[int], true_cluster: Tensor) -> dict[str, list[Any]]:
     """An evaluation as a round report carries it: per-client lists, the algorithm's extras included."""
     return {"clients": list(clients), "assigned": ev.assigned.tolist(), "test_accuracy": ev.test_accuracy.tolist(),

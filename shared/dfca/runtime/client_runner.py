@@ -36,6 +36,7 @@ from dfca.config import ExperimentConfig
 from dfca.data import FederatedData, build_federated_data
 from dfca.devices import worker_device
 from dfca.models import build_model
+from dfca.run_size import check_fits_memory
 from dfca.runtime.final_models import encode_sums
 from dfca.runtime.host_transport import HostTransport, RunInterrupted
 from dfca.runtime.message_driver import MessageDriver
@@ -165,6 +166,8 @@ class ClientRunner:
             torch.set_flush_denormal(True)
             self.device = worker_device(spec.config.device, spec.device)
             if self._data is None:
+                check_fits_memory(spec.config.estimated_bytes(len(spec.clients)),
+                                  f"worker {spec.ordinal}'s {len(spec.clients)} clients")
                 self._data = build_federated_data(spec.config).subset(spec.clients)
             self._data = self._data.to(self.device)
             self._run_with_recovery()

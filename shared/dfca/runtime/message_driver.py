@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from dfca import topics
 from dfca.algorithms import Algorithm, Exchange, Inbox
-from dfca.algorithms.base import SERVER, Graph, report_of
+from dfca.algorithms.base import SERVER, Graph, check_finite, report_of
 from dfca.runtime.host_transport import RunInterrupted
 from dfca.runtime.liveness import NeighbourLiveness
 from dfca.transport import Message, Transport
@@ -197,6 +197,9 @@ class MessageDriver:
         """Every hosted row's message of `ex`, one publish each (the broker fans it out)."""
         out = self.algorithm.send(ex)
         spec = self.algorithm.payload(ex)
+        models = self.algorithm.ctx.model.shapes()
+        check_finite(self.algorithm, self.round,
+                     {n: out.tensors[n] for n in spec if n in models or n.split(".", 1)[-1] in models})
         for s, (row, part) in enumerate(zip(out.row.tolist(), out.part.tolist(), strict=True)):
             sender = self.ids[row]
             rows = None if out.lengths is None else int(out.lengths[s])

@@ -45,6 +45,7 @@ exposed (the string headers `x-first-death-*` are).
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -77,6 +78,7 @@ RECONNECT_FIRST_DELAY_S = 0.25
 RECONNECT_MAX_DELAY_S = 5.0
 CLOSE_TIMEOUT_S = 15.0
 SETTLED_CHUNK_IDS_KEPT = 4096
+MAX_CHUNKS = 1024  # parts of one chunked message: 16 GiB at the default chunk size
 
 Frame = Any  # a pika method frame; its payload is only passed through
 
@@ -101,6 +103,17 @@ def split_body(body: bytes, chunk_bytes: int) -> list[bytes]:
 
 def chunk_headers(headers: Mapping[str, str], chunk_id: str, index: int, count: int) -> dict[str, str]:
     return {**headers, CHUNK_ID: chunk_id, CHUNK_INDEX: str(index), CHUNK_COUNT: str(count)}
+
+
+def chunk_position(raw: Mapping[str, Any]) -> tuple[int, int]:
+    """(index, count) of a chunked message's part; ValueError unless 0 <= index < count <= MAX_CHUNKS."""
+    try:
+        index, count = int(raw[CHUNK_INDEX]), int(raw[CHUNK_COUNT])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"chunk headers {CHUNK_INDEX}/{CHUNK_COUNT} missing or not integers") from err
+    if not 0 <= index < count <= MAX_CHUNKS:
+        raise ValueError(f"chunk part {index} of {count} (at most {MAX_CHUNKS} parts)")
+    return index, count
 
 
 def delivered_headers(raw: Mapping[str, Any] | None) -> dict[str, str]:
@@ -223,6 +236,7 @@ class RabbitMQTransport(Transport):
         self.chunk_bytes = chunk_bytes
         self.publish_timeout = publish_timeout
         self.name = name
+        self.connections = 0  # connections opened so far: 1 unless it had to reconnect
         self._params = pika.URLParameters(url)
         self._params.heartbeat = heartbeat
         self._params.connection_attempts = 1
@@ -337,6 +351,9 @@ class RabbitMQTransport(Transport):
         self._check_exchange(exchange)
         deadline = time.monotonic() + self.publish_timeout
         parts = split_body(bytes(body), self.chunk_bytes)
+        if len(parts) > MAX_CHUNKS:
+            raise TransportError(f"a {len(body)}-byte body needs {len(parts)} parts of {self.chunk_bytes} bytes; "
+                                 f"at most {MAX_CHUNKS}")
         chunk_id = uuid.uuid4().hex
         records = [
             _Publish(
@@ -510,6 +527,7 @@ class RabbitMQTransport(Transport):
         if conn is not self._conn:
             return
         log.info("%s connected to %s", self.name, redact_url(self.url))
+        self.connections += 1
         self._reconnect_delay = RECONNECT_FIRST_DELAY_S
         self._topology_restored = False
         self._open_admin_channel()
@@ -834,8 +852,19 @@ class RabbitMQTransport(Transport):
         self, consumer: _Consumer, generation: int, channel: Channel,
         method: pika.spec.Basic.Deliver, properties: pika.BasicProperties, body: bytes,
     ) -> None:
+        """Nothing one message carries may escape into pika: that would abort the connection, the broker would
+        redeliver the message and the consumer would loop on it for good. A delivery this transport cannot handle
+        is rejected to the dead-letter exchange, once, with the parts of its chunked message held so far."""
         if channel is not consumer.channel or generation != consumer.generation:
             return
+        try:
+            self._accept_delivery(consumer, channel, method, properties, body)
+        except Exception:  # a poison message, whatever it is
+            log.exception("%s: a delivery on %r could not be handled; dead-lettered", self.name, consumer.queue)
+            self._reject_poison(consumer, channel, method, properties)
+
+    def _accept_delivery(self, consumer: _Consumer, channel: Channel, method: pika.spec.Basic.Deliver,
+                       properties: pika.BasicProperties, body: bytes) -> None:
         raw = properties.headers or {}
         if CHUNK_ID not in raw:
             self._deliver(consumer, method.exchange, method.routing_key, body, raw,
@@ -845,13 +874,10 @@ class RabbitMQTransport(Transport):
         if chunk_id in consumer.settled_chunk_ids:  # a duplicate part resent after a reconnect
             channel.basic_ack(method.delivery_tag)
             return
-        try:
-            index, count = int(raw[CHUNK_INDEX]), int(raw[CHUNK_COUNT])
-        except (KeyError, ValueError):
-            log.warning("%s: malformed chunk on %r dead-lettered", self.name, consumer.queue)
-            channel.basic_reject(method.delivery_tag, requeue=False)
-            return
+        index, count = chunk_position(raw)
         partial = consumer.partial.setdefault(chunk_id, _PartialMessage(count))
+        if partial.count != count:
+            raise ValueError(f"chunk {chunk_id}: {CHUNK_COUNT} {count} after {partial.count}")
         partial.parts.setdefault(index, body)
         partial.delivery_tags.append(method.delivery_tag)
         partial.redelivered |= bool(method.redelivered)
@@ -863,6 +889,21 @@ class RabbitMQTransport(Transport):
         whole = b"".join(partial.parts[i] for i in range(partial.count))
         self._deliver(consumer, method.exchange, method.routing_key, whole, raw,
                       tuple(partial.delivery_tags), partial.redelivered, chunk_id)
+
+    def _reject_poison(self, consumer: _Consumer, channel: Channel, method: pika.spec.Basic.Deliver,
+                       properties: pika.BasicProperties) -> None:
+        tags = [method.delivery_tag]
+        chunk_id = str((properties.headers or {}).get(CHUNK_ID, ""))
+        partial = consumer.partial.pop(chunk_id, None) if chunk_id else None
+        if partial is not None:
+            held = [t for t in partial.delivery_tags if t != method.delivery_tag]
+            consumer.held_chunk_parts -= len(held) + (method.delivery_tag in partial.delivery_tags)
+            tags = held + tags
+            consumer.settled_chunk_ids[chunk_id] = None  # later parts of it are acked as duplicates
+        with contextlib.suppress(Exception):
+            for tag in tags:
+                channel.basic_reject(tag, requeue=False)
+            self._adjust_prefetch(consumer)
 
     def _deliver(
         self, consumer: _Consumer, exchange: str, routing_key: str, body: bytes, raw: Mapping[str, Any],

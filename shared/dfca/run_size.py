@@ -1,0 +1,66 @@
+"""How much memory a run's tensors take, estimated from its config before anything is allocated.
+
+The estimate counts every client's k model copies four times over (the copies, the training's working
+set and gradients, the consensus numerators, seeding candidates or momentum) and each client's images as
+float32. It is an upper guide, not a measurement: the config refuses runs above `MAX_RUN_BYTES`, and the
+simulator and each worker refuse a run whose share exceeds the memory this machine has available.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+# Input size and classes of each dataset: (values per sample, classes).
+DATASET_SHAPES: dict[str, tuple[int, int]] = {
+    "mnist-bundled": (784, 10), "mnist": (784, 10), "emnist": (784, 62), "femnist": (784, 62),
+    "cifar10": (3072, 10), "digits": (64, 10),
+}
+CNN_PARAMS = 1_700_000  # the paper's CNN on 28x28 or 32x32 inputs, rounded up
+MODEL_COPIES = 4
+
+
+def model_params(kind: str, inputs: int, hidden: int, classes: int) -> int:
+    if kind == "cnn":
+        return CNN_PARAMS
+    return inputs * hidden + hidden + hidden * classes + classes
+
+
+def estimated_run_bytes(*, dataset: str, features: str, feature_dim: int, kind: str, hidden: int, clients: int,
+                        clusters: int, train_per_client: int, test_per_client: int, samples: int | None = None) -> int:
+    """Bytes of the tensors of `clients` clients (a worker's share, or all of them)."""
+    inputs, classes = DATASET_SHAPES.get(dataset, (feature_dim, clusters))
+    if features == "projection" or dataset == "blobs":
+        inputs = feature_dim
+    per_client_samples = samples if samples is not None else train_per_client + test_per_client
+    models = clients * max(clusters, 1) * model_params(kind, inputs, hidden, classes) * 4 * MODEL_COPIES
+    data = clients * per_client_samples * (inputs + 1) * 4
+    return models + data
+
+
+def available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{math.ceil(n / (1 << 20))} MiB"
+
+
+class RunTooLarge(MemoryError):
+    """A run whose estimated tensors do not fit this machine's available memory."""
+
+
+def check_fits_memory(needed: int, what: str) -> None:
+    """Refuse before allocating when `needed` bytes exceed the memory available here."""
+    free = available_bytes()
+    if free is not None and needed > free:
+        raise RunTooLarge(f"{what} needs about {gib(needed)} of tensors (model copies and data), but this machine "
+                          f"has {gib(free)} available: fewer clients, a smaller model.hidden or fewer samples per "
+                          "client (or more workers) would fit")
