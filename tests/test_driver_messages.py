@@ -166,6 +166,29 @@ def test_a_message_of_an_exchange_its_round_does_not_have_is_rejected() -> None:
     assert a.stats.rejected == Counter({"exchange": 1, "round": 1}) and a.stats.applied == 0
 
 
+def test_models_far_in_the_future_are_rejected_and_repeats_are_held_once() -> None:
+    """A forger cannot pile up unacknowledged messages (which would fill the prefetch window and stall the run):
+    beyond MAX_ROUNDS_AHEAD it is rejected and counted, and a repeat of a held message is a duplicate."""
+    cfg = small_config(rounds=12, dfca={"variant": "paper"})
+    broker = InMemoryBroker()
+    (a, b), _ = build_drivers(cfg, broker, 2)
+    row, client = next((r, c) for r, c in enumerate(a.ids) if any(m in b.ids for m in a.neighbours[c]))
+    peer = next(m for m in a.neighbours[client] if m in b.ids)
+    shapes = a.algorithm.ctx.model.shapes()
+    spec = {n: TensorSpec(s) for n, s in shapes.items()}
+    injector = InMemoryTransport(broker)
+    ahead = message_driver.MAX_ROUNDS_AHEAD
+    for t in [1, 1, 1, ahead, ahead + 1, 11, 11]:
+        forged = Envelope("robust", peer, t, "models", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
+        injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", peer, 0), *encode_message(forged, spec))
+    a.begin_round(0)
+    a.start_exchange(0)
+    while (msg := a.transport.receive(a.queues[row], 0.0)) is not None:
+        a.handle(row, msg)
+    assert a.stats.rejected == Counter({"future_round": 3}) and a.stats.duplicates == 2
+    assert sorted(d.envelope.round for d in a.held) == [1, ahead]
+
+
 # -- the running average's memory bound ----------------------------------------------------------------------
 def peak_decoded_models(degree: int, aggregation: str, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
     """A star: client 0 hears `degree` neighbours in one paper-rule round. Returns the most decoded models alive

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from dfca import topics
 from dfca.config import ExperimentConfig
 from dfca.runtime.coordinator import Coordinator
 from dfca.runtime.experiments import BARRIER_TIMEOUT_S, ExperimentRecord, dead_after
+from dfca.runtime.http_service import MAX_BODY_BYTES
 from dfca.runtime.messages import (
     GoCommand,
     PresenceEvent,
@@ -91,6 +93,23 @@ def test_mutating_calls_need_the_bearer_token(client: TestClient, coordinator: C
     with TestClient(create_app(coordinator, None, "memory://")) as no_token:
         refused = no_token.post("/experiments", json=small(), headers=AUTH)
         assert refused.status_code == 401 and "DFCA_API_TOKEN" in refused.json()["detail"]
+
+
+def test_bodies_are_refused_before_they_are_read(client: TestClient) -> None:
+    """Without the token the body is never read (401 whatever its size); a body above the limit is 413, declared
+    or streamed in chunks; NaN and infinity in a config are 422 naming the field, never 500."""
+    huge = b"x" * (MAX_BODY_BYTES + 1)
+    assert client.post("/experiments", content=huge).status_code == 401
+    assert client.post("/experiments", content=huge, headers=AUTH).status_code == 413
+    chunks = (b"x" * 65536 for _ in range(MAX_BODY_BYTES // 65536 + 2))
+    assert client.post("/experiments", content=chunks, headers=AUTH).status_code == 413
+    for value in ("NaN", "Infinity", "1e30"):
+        body = small()
+        text = json.dumps(body).replace('"train": {', f'"train": {{"lr": {value}, ', 1) if "train" in body else \
+            json.dumps(body)[:-1] + f', "train": {{"lr": {value}}}}}'
+        response = client.post("/experiments", content=text.encode(),
+                               headers={**AUTH, "Content-Type": "application/json"})
+        assert response.status_code == 422 and "lr" in str(response.json()["detail"]), (value, response.text)
 
 
 @pytest.mark.parametrize("body,field", [

@@ -25,7 +25,7 @@ from dfca import topics
 from dfca.runtime.dashboard import add_dashboard
 from dfca.runtime.event_consumer import QueueConsumer
 from dfca.runtime.experiment_results import NoResults, model_files, plot_files
-from dfca.runtime.http_service import add_health_routes, serve
+from dfca.runtime.http_service import RequestGuard, add_health_routes, add_validation_errors, serve
 from dfca.runtime.messages import (
     TERMINAL_STATUSES,
     ExperimentEvent,
@@ -108,6 +108,8 @@ def create_app(store: MetricsStore, broker_url: str, collector: MetricsCollector
             collector.close()
 
     app = FastAPI(title="dfca metrics", version="1", lifespan=lifespan)
+    app.add_middleware(RequestGuard)  # bodies above MAX_BODY_BYTES refused (413) before they are read
+    add_validation_errors(app)
     registry = CollectorRegistry()
     registry.register(RuntimeCollector(store))
     add_health_routes(app, broker_url, collector.thread.is_alive if collector is not None else (lambda: True))

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dfca.config import ExperimentConfig
 from dfca.runtime.coordinator import ConfigRejected, Coordinator, InvalidTransition, UnknownExperiment
 from dfca.runtime.experiments import EdgeChangeInvalid
-from dfca.runtime.http_service import add_health_routes, bearer_auth, serve
+from dfca.runtime.http_service import RequestGuard, add_health_routes, add_validation_errors, bearer_auth, serve
 from dfca.runtime.structured_logs import configure_logging
 from dfca.settings import ServiceSettings, env
 from dfca.topics import deployment_tag
@@ -42,6 +42,8 @@ def create_app(coordinator: Coordinator, token: str | None, broker_url: str) -> 
         coordinator.close()
 
     app = FastAPI(title="dfca topology", version="1", lifespan=lifespan)
+    app.add_middleware(RequestGuard, token=token, check_token=True)  # 401/413 before a body is read
+    add_validation_errors(app)
     auth = Depends(bearer_auth(token))
     add_health_routes(app, broker_url)
 

@@ -14,8 +14,10 @@ from collections.abc import Callable
 import pika
 import pika.exceptions
 import uvicorn
-from fastapi import FastAPI, Header, HTTPException
+from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,78 @@ def bearer_auth(token: str | None) -> Callable[..., None]:
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
     return check
+
+
+MAX_BODY_BYTES = 1 << 20  # a config is a few KB; nothing the API takes comes near this
+MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+class RequestGuard:
+    """ASGI middleware in front of every route: a mutating request is refused before its body is read when its
+    bearer token is wrong (401; with `token` None the routes decide), and any body above `max_body` bytes is
+    refused with 413, whether it declares its length or streams it in chunks."""
+
+    def __init__(self, app: ASGIApp, token: str | None = None, check_token: bool = False,
+                 max_body: int = MAX_BODY_BYTES) -> None:
+        self.app, self.token, self.check_token, self.max_body = app, token, check_token, max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.check_token and scope["method"] in MUTATING and not token_matches(self.token,
+                                                                                headers.get("authorization")):
+            detail = ("missing or wrong bearer token" if self.token else
+                      "DFCA_API_TOKEN is not set on the server: mutating calls are refused")
+            await JSONResponse({"detail": detail}, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body:
+            await self._too_large(scope, receive, send)
+            return
+        body = bytearray()
+        more = True
+        while more:  # read (at most max_body + one chunk of) the body here, then hand it on
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, receive, send)
+                return
+            body.extend(message.get("body", b""))
+            more = message.get("more_body", False)
+            if len(body) > self.max_body:
+                await self._too_large(scope, receive, send)
+                return
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await JSONResponse({"detail": f"request body above {self.max_body} bytes"}, 413)(scope, receive, send)
+
+
+def add_validation_errors(app: FastAPI) -> None:
+    """422 for a body that fails validation, naming each field, with the offending input as text: FastAPI's own
+    handler echoes it as JSON and fails with 500 on NaN or infinity, which JSON cannot carry."""
+
+    @app.exception_handler(RequestValidationError)
+    async def refused(_: Request, err: RequestValidationError) -> JSONResponse:
+        errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", "")),
+                   **({"input": repr(e["input"])[:200]} if "input" in e else {})} for e in err.errors()]
+        return JSONResponse({"detail": errors}, 422)
+
+
+def token_matches(token: str | None, authorization: str | None) -> bool:
+    scheme, _, given = (authorization or "").partition(" ")
+    return bool(token) and scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
+                                                                             (token or "").encode())
 
 
 def serve(app: FastAPI, host: str, port: int) -> None:

@@ -9,7 +9,9 @@ It runs the simulator's algorithm objects (dfca.algorithms) unchanged and owns e
 - one decoder (dfca.wire.decode_message): routing key against headers, experiment, an exchange that the
   message's round has, payload names, shapes and values; a bad message is dead-lettered and counted;
 - dedupe: a message is used at most once per (receiver, sender, round, exchange, step, part);
-- order: a message of a later exchange is held (unacknowledged) until its exchange opens. One of the open
+- order: a message of a later exchange is held (unacknowledged, each identity once) until its exchange opens;
+  one more than MAX_ROUNDS_AHEAD rounds ahead of the receiver is rejected and counted (`future_round`),
+  so forged rounds cannot pile up in memory. One of the open
   exchange is folded at once (`aggregation: sequential`: DFCA's running average, eq. 8, so a client holds
   O(k |theta|) however many neighbours it has) or, in an exchange whose messages are averaged, held and
   folded in sender order when the exchange closes (`batch`, eq. 7). One of an earlier exchange is stale:
@@ -47,6 +49,9 @@ from dfca.transport.broker_setup import ensure_broker_topology
 from dfca.wire import Envelope, PayloadRejected, Spec, decode_message, encode_message
 
 log = logging.getLogger(__name__)
+# An honest neighbour is at most a round or two ahead (it waits for this client's messages, or for a deadline,
+# in every exchange); seeding rounds are short, so allow a little more.
+MAX_ROUNDS_AHEAD = 3
 
 KEEP_GOING_EVERY_S = 0.25  # how often a waiting driver asks whether to go on
 Identity = tuple[int, int, int, str, int, int]  # receiver, sender, round, exchange, step, part
@@ -92,6 +97,7 @@ class MessageDriver:
         self.round, self.index, self.rounds_done = -1, -1, 0
         self.exchanges: list[Exchange] = []
         self.held: list[Delivery] = []  # messages of later exchanges
+        self.held_ids: set[Identity] = set()
         self.batch: list[Delivery] = []  # the open exchange's messages, under `aggregation: batch`
         self.seen: set[Identity] = set()
         self.waiting: list[dict[int, int]] = [{} for _ in self.ids]  # per row: sender -> messages still due
@@ -186,6 +192,7 @@ class MessageDriver:
         if ex.sender == self.side:
             self.publish(ex)  # before anything arrived is folded in: what the row sends is its own
         held, self.held = self.held, []
+        self.held_ids.clear()
         for delivery in held:
             self._route(delivery)
 
@@ -291,7 +298,17 @@ class MessageDriver:
         here = (envelope.round, index)
         now = (self.round, self.index)
         if here > now:
-            self.held.append(delivery)
+            if envelope.round > self.round + MAX_ROUNDS_AHEAD:
+                self.stats.rejected["future_round"] += 1
+                log.warning("rejected a message of round %d from %d at round %d: more than %d rounds ahead",
+                            envelope.round, envelope.sender, self.round, MAX_ROUNDS_AHEAD)
+                self.transport.reject(delivery.message, requeue=False)
+            elif identity in self.held_ids:
+                self.stats.duplicates += 1
+                self.transport.ack(delivery.message)
+            else:
+                self.held_ids.add(identity)
+                self.held.append(delivery)
             return
         if here == now:
             due = self.waiting[row]
