@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from dfca import topics
 from dfca.config import ExperimentConfig
 from dfca.runtime.coordinator import Coordinator
-from dfca.runtime.experiments import BARRIER_TIMEOUT_S, ExperimentRecord, dead_after
+from dfca.runtime.experiments import BARRIER_TIMEOUT_S, EventRefused, ExperimentRecord, dead_after
 from dfca.runtime.http_service import MAX_BODY_BYTES
 from dfca.runtime.messages import (
     GoCommand,
@@ -217,6 +217,20 @@ def test_record_lifecycle_barrier_death_and_completion() -> None:
     record.observe(worker_event(0, "finished", 203.0, 3).model_copy(update={"incarnation": "old"}), now=203.0)
     record.finish("completed", now=201.0)
     assert record.failed_clients == clients_of(2, 3, 9)
+
+
+def test_events_no_worker_of_the_run_can_send_are_refused() -> None:
+    """A forged `finished` at round 999, or from a worker the run does not have, cannot end an experiment."""
+    import networkx as nx
+
+    cfg = ExperimentConfig.model_validate(small())
+    record = ExperimentRecord.new("e", cfg, nx.complete_graph(9), workers=3)
+    record.start(now=100.0)
+    for forged in (worker_event(0, "finished", 101.0, 999), worker_event(5, "finished", 101.0, 1)):
+        with pytest.raises(EventRefused):
+            record.observe(forged, now=101.0)
+    assert all(v.state == "pending" and v.round == 0 for v in record.worker_views.values())
+    assert record.settle(now=102.0) is None and record.status == "running"
 
 
 def test_an_experiment_with_no_finished_worker_failed() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,11 +12,12 @@ import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from dfca import topics
 from dfca.config import ExperimentConfig
 from dfca.evaluation import cluster_ari
-from dfca.runtime.messages import ExperimentEvent, RoundReport, WorkerEvent
+from dfca.runtime.messages import ExperimentEvent, RoundReport, WorkerEvent, encode
 from dfca.runtime.metrics_store import MetricsStore
-from dfca.transport import InMemoryTransport
+from dfca.transport import InMemoryBroker, InMemoryTransport
 from services.metrics.main import MetricsCollector, create_app
 
 CFG = ExperimentConfig.model_validate({"name": "m", "clusters": 2, "rounds": 2,
@@ -97,3 +100,44 @@ def test_history_sse_and_prometheus(store: MetricsStore) -> None:
     assert samples[("dfca_messages_applied_total", m1)] == 15.0
     assert samples[("dfca_cluster_accuracy", (("cluster", "1"), ("experiment", "m1")))] == pytest.approx(0.9)
     assert samples[("dfca_experiment_status", (("experiment", "m1"), ("status", "completed")))] == 1.0
+
+
+def test_forged_reports_are_dead_lettered_and_the_service_keeps_answering(tmp_path: Path) -> None:
+    """Reports that no worker of the run can send (a round beyond the run, unequal lists, an accuracy above 1,
+    NaN) are refused and dead-lettered; the honest history, the summary and /metrics stay as they were."""
+    broker = InMemoryBroker()
+    store = MetricsStore(f"sqlite:///{tmp_path / 'metrics.db'}")
+    collector = MetricsCollector(InMemoryTransport(broker), store, "d")
+    collector.open()
+    try:
+        publisher = InMemoryTransport(broker)
+
+        def publish(document: Any) -> None:
+            body = document if isinstance(document, bytes) else encode(document)
+            publisher.publish(topics.METRICS_EXCHANGE, topics.metrics_key("m1", "round"), body)
+
+        publish(ExperimentEvent(deployment="d", experiment="m1", status="running", config=CFG, at=1000.0))
+        publish(report(0, 1))
+        publish(report(0, 999, evaluate=False))  # the run has 2 rounds
+        lopsided = report(1, 1).model_dump()
+        lopsided["evaluation"]["test_accuracy"] = [0.5]
+        above = report(1, 1).model_dump()
+        above["evaluation"]["test_accuracy"] = [1.5, 0.9]
+        for forged in (lopsided, above):
+            publish(json.dumps(forged).encode())
+        publish(json.dumps(report(1, 1).model_dump()).replace('"seconds": 2.0', '"seconds": NaN').encode())
+        publish(report(1, 1))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (collector.consumer.rejected < 4 or collector.consumer.handled < 3):
+            time.sleep(0.05)
+        assert collector.consumer.rejected == 4 and collector.consumer.handled == 3
+        while time.monotonic() < deadline and not store.dead_letter_counts().get("m1"):
+            time.sleep(0.05)
+        assert store.dead_letter_counts()["m1"] == 4
+        with TestClient(create_app(store, "memory://")) as client:
+            summary = client.get("/experiments/m1/summary")
+            assert summary.status_code == 200 and summary.json()["messages"]["dead_lettered"] == 4
+            assert [h["round"] for h in client.get("/experiments/m1/metrics").json()["history"]] == [1]
+            assert client.get("/metrics").status_code == 200
+    finally:
+        collector.close()

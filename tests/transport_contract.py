@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from dfca import topics
-from dfca.transport import Message, Transport, TransportError
+from dfca.transport import Message, QueueLimits, Transport, TransportError
 from dfca.wire import Envelope, TensorSpec, decode_message, encode_message
 
 PATIENCE_S = 10.0  # how long to wait for a message that must arrive
@@ -199,6 +199,34 @@ class TransportContract:
         assert dead_letter.headers["reason"] == "test"
         transport.ack(dead_letter)
         assert transport.receive(queue, QUIET_S) is None
+
+    def test_a_bounded_queue_drops_its_oldest_messages_to_the_dead_letter_exchange(self, transport: Transport,
+                                                                                   names: Names) -> None:
+        """A flood cannot fill the broker: past max_length (or max_bytes) the oldest messages are dead-lettered, the
+        publisher is never refused, and what is left is the newest."""
+        dlx = names.exchange("dlx")
+        transport.declare_exchange(dlx, "fanout")
+        dead = names.queue("dead")
+        transport.declare_queue(dead)
+        transport.bind(dead, dlx, "")
+        exchange = names.exchange("main")
+        transport.declare_exchange(exchange, "topic")
+        by_length, by_bytes = names.queue("length"), names.queue("bytes")
+        transport.declare_queue(by_length, dlx, QueueLimits(max_length=3))
+        transport.declare_queue(by_bytes, None, QueueLimits(max_bytes=250))
+        transport.bind(by_length, exchange, "a")
+        transport.bind(by_bytes, exchange, "b")
+        for i in range(5):
+            transport.publish(exchange, "a", f"m{i}".encode())
+            transport.publish(exchange, "b", bytes([i]) * 100)
+        kept = [must_receive(transport, by_length) for _ in range(3)]
+        assert [m.body for m in kept] == [b"m2", b"m3", b"m4"] and transport.receive(by_length, QUIET_S) is None
+        dropped = [must_receive(transport, dead) for _ in range(2)]
+        assert sorted(m.body for m in dropped) == [b"m0", b"m1"]
+        newest = [must_receive(transport, by_bytes) for _ in range(2)]
+        assert [m.body[0] for m in newest] == [3, 4] and transport.receive(by_bytes, QUIET_S) is None
+        for message in kept + dropped + newest:
+            transport.ack(message)
 
     def test_unacked_messages_return_after_close(self, connect: Connect, names: Names) -> None:
         first = connect()

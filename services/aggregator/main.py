@@ -56,7 +56,7 @@ class Aggregator:
 
     def open(self) -> None:
         ensure_broker_topology(self.transport)
-        self.transport.declare_queue(self.queue, dead_letter_exchange=topics.DEAD_LETTER_EXCHANGE)
+        self.transport.declare_queue(self.queue, topics.DEAD_LETTER_EXCHANGE, topics.SERVICE_QUEUE_LIMITS)
         self.transport.bind(self.queue, topics.CONTROL_EXCHANGE, ALL_EVENTS)
         self.thread.start()
         threading.Thread(target=self._presence_loop, name="aggregator-presence", daemon=True).start()

@@ -39,12 +39,14 @@ from dfca.runtime.metrics_store import MetricsStore
 from dfca.runtime.prometheus_export import RuntimeCollector
 from dfca.runtime.run_summary import history, summary_of
 from dfca.runtime.structured_logs import configure_logging
+from dfca.schedule import RoundSchedule
 from dfca.settings import ServiceSettings
 from dfca.topics import ALL_EVENTS, dead_letter_tap_queue, deployment_tag, events_queue
 from dfca.transport import Transport, connect_transport
 from dfca.transport.broker_setup import ensure_broker_topology
 
 log = logging.getLogger(__name__)
+DEAD_LETTER_BATCH = 500
 
 SSE_POLL_S = 0.5
 SSE_KEEPALIVE_S = 15.0
@@ -63,9 +65,9 @@ class MetricsCollector:
 
     def open(self) -> None:
         ensure_broker_topology(self.transport)
-        self.transport.declare_queue(self.events, dead_letter_exchange=topics.DEAD_LETTER_EXCHANGE)
+        self.transport.declare_queue(self.events, topics.DEAD_LETTER_EXCHANGE, topics.SERVICE_QUEUE_LIMITS)
         self.transport.bind(self.events, topics.METRICS_EXCHANGE, ALL_EVENTS)
-        self.transport.declare_queue(self.dead_letters)
+        self.transport.declare_queue(self.dead_letters, limits=topics.DEAD_LETTER_LIMITS)
         self.transport.bind(self.dead_letters, topics.DEAD_LETTER_EXCHANGE, "")
         self.thread.start()
 
@@ -81,19 +83,33 @@ class MetricsCollector:
         elif isinstance(event, FinalModelsShare):
             self.store.record_final_models(event)
         elif isinstance(event, RoundReport):
+            stored = self.store.experiment(event.experiment)
+            if stored is not None and event.round > RoundSchedule(stored.config).total_rounds:
+                raise ValueError(f"experiment {event.experiment}: a report of round {event.round} of "
+                                 f"{RoundSchedule(stored.config).total_rounds}")  # dead-lettered, never stored
             self.store.record_round(event)
         else:
             self.store.record_worker(event)
+
+    def _drain_dead_letters(self) -> None:
+        """Count up to DEAD_LETTER_BATCH dead letters in one write, then read events again: a flood of rejected
+        messages must not keep the summaries behind the run."""
+        taken = []
+        while len(taken) < DEAD_LETTER_BATCH and (message := self.transport.receive(self.dead_letters, 0.0)):
+            taken.append(message)
+        if not taken:
+            return
+        self.store.record_dead_letters([
+            (m.routing_key.split(".", 1)[0], str(m.headers.get("x-first-death-exchange", m.exchange)), m.routing_key)
+            for m in taken])
+        for message in taken:
+            self.transport.ack(message)
 
     def _loop(self) -> None:
         while not self.stopping.is_set():
             try:
                 self.consumer.poll(0.2)
-                while (message := self.transport.receive(self.dead_letters, 0.0)) is not None:
-                    experiment = message.routing_key.split(".", 1)[0]
-                    exchange = str(message.headers.get("x-first-death-exchange", message.exchange))
-                    self.store.record_dead_letter(experiment, exchange, message.routing_key)
-                    self.transport.ack(message)
+                self._drain_dead_letters()
             except Exception:  # the transport reconnects by itself; keep consuming
                 log.exception("metrics consumer error")
                 self.stopping.wait(1.0)

@@ -12,11 +12,23 @@ from __future__ import annotations
 import hashlib
 import re
 
+from dfca.transport.base import QueueLimits
+
 MODELS_EXCHANGE = "dfca.models"
 CONTROL_EXCHANGE = "dfca.control"
 METRICS_EXCHANGE = "dfca.metrics"
 DEAD_LETTER_EXCHANGE = "dfca.dlx"
 DEAD_LETTER_QUEUE = "dfca.dead-letter"
+
+# Every queue is bounded (QueueLimits: past the bound the oldest message is dropped, dead-lettered where the
+# queue has a dead-letter exchange), so a flood cannot fill the broker.
+# A client's queue: a backlog of many rounds of a restarted worker's neighbours fits; it is deleted 6 hours
+# after its last consumer went away, so the queues of a finished experiment do not stay.
+CLIENT_QUEUE_LIMITS = QueueLimits(max_length=20_000, max_bytes=2 << 30, expires_s=6 * 3600)
+# The services' and workers' control and event queues.
+SERVICE_QUEUE_LIMITS = QueueLimits(max_length=100_000, max_bytes=512 << 20)
+# The dead-letter queue keeps the last rejected messages for inspection, for an hour.
+DEAD_LETTER_LIMITS = QueueLimits(max_length=10_000, max_bytes=256 << 20, message_ttl_s=3600)
 
 EXCHANGES: dict[str, str] = {
     MODELS_EXCHANGE: "topic",

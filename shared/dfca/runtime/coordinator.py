@@ -100,7 +100,7 @@ class Coordinator:
         """Declare dfca's exchanges and this service's event queue, then start the loop thread."""
         ensure_broker_topology(self.transport)
         queue = events_queue(self.deployment, "topology")
-        self.transport.declare_queue(queue, dead_letter_exchange=topics.DEAD_LETTER_EXCHANGE)
+        self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.SERVICE_QUEUE_LIMITS)
         self.transport.bind(queue, topics.METRICS_EXCHANGE, ALL_EVENTS)
         self.consumer = QueueConsumer(self.transport, queue, decode_event, self.on_event)
         self._thread = threading.Thread(target=self._loop, name="coordinator", daemon=True)
@@ -230,7 +230,7 @@ class Coordinator:
         for client, neighbours in after.items():
             for m in set(neighbours) - set(before[client]):
                 queue = topics.client_queue(record.id, client)
-                self.transport.declare_queue(queue, dead_letter_exchange=topics.DEAD_LETTER_EXCHANGE)
+                self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.CLIENT_QUEUE_LIMITS)
                 self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(record.id, m))
 
     # -- events and ticks --------------------------------------------------------------------------------

@@ -39,8 +39,13 @@ class QueueConsumer:
                 continue
             try:
                 self.handle(document)
-            finally:
-                self.transport.ack(message)
+            except Exception:  # a document that passed decoding and still cannot be stored: set it aside
+                self.rejected += 1
+                log.exception("dead-lettering a message from %s (%s) its handler could not take", self.queue,
+                              message.routing_key)
+                self.transport.reject(message, requeue=False)
+                continue
+            self.transport.ack(message)
             self.handled += 1
         return count
 

@@ -58,6 +58,18 @@ class EdgeChangeInvalid(ValueError):
     """An edge change naming clients outside the experiment, or a self loop."""
 
 
+class EventRefused(ValueError):
+    """An event that contradicts its experiment (its consumer dead-letters it)."""
+
+
+def check_event(record: ExperimentRecord, event: RoundReport | WorkerEvent) -> None:
+    total = RoundSchedule(record.config).total_rounds
+    if event.worker >= record.workers:
+        raise EventRefused(f"experiment {record.id}: worker {event.worker} of {record.workers}")
+    if event.round > total:
+        raise EventRefused(f"experiment {record.id}: worker {event.worker} reports round {event.round} of {total}")
+
+
 @dataclass
 class ExperimentRecord:
     id: str
@@ -134,7 +146,9 @@ class ExperimentRecord:
         self.worker_views = {w: WorkerView(last_seen=now) for w in self.hosting_workers()}
 
     def observe(self, event: RoundReport | WorkerEvent, now: float) -> None:
-        """A worker spoke: note its round and state (events of one incarnation apply in the order made)."""
+        """A worker spoke: note its round and state (events of one incarnation apply in the order made). An event
+        no worker of this run can send (a worker ordinal or a round beyond the run's) raises EventRefused."""
+        check_event(self, event)
         view = self.worker_views.setdefault(event.worker, WorkerView())
         if event.incarnation in view.retired or (event.incarnation == view.incarnation and event.at < view.last_at):
             return

@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping
 
 from dfca import topics
-from dfca.transport import Message, Transport
+from dfca.transport import Message, QueueLimits, Transport
 
 SENT_AT_HEADER = "sent_at"
 
@@ -70,8 +70,9 @@ class HostTransport(Transport):
     def declare_exchange(self, name: str, kind: str = "topic") -> None:
         self.inner.declare_exchange(name, kind)
 
-    def declare_queue(self, name: str, dead_letter_exchange: str | None = None) -> None:
-        self.inner.declare_queue(name, dead_letter_exchange)
+    def declare_queue(self, name: str, dead_letter_exchange: str | None = None,
+                      limits: QueueLimits | None = None) -> None:
+        self.inner.declare_queue(name, dead_letter_exchange, limits)
 
     def delete_queue(self, name: str) -> None:
         self.inner.delete_queue(name)

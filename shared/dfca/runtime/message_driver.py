@@ -120,7 +120,7 @@ class MessageDriver:
         """Declare the exchanges and the hosted rows' queues, and bind them to whom the algorithm hears."""
         ensure_broker_topology(self.transport)
         for queue in self.queues:
-            self.transport.declare_queue(queue, dead_letter_exchange=topics.DEAD_LETTER_EXCHANGE)
+            self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.CLIENT_QUEUE_LIMITS)
         if self.side == "server":
             self._bind_uploads(range(self.cfg.data.clients))
             return
@@ -132,8 +132,8 @@ class MessageDriver:
             if "server" in links:
                 self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.server_binding(self.experiment))
         if "server" in links:  # uploads wait in the server's queue until the aggregator is there
-            self.transport.declare_queue(topics.server_queue(self.experiment),
-                                         dead_letter_exchange=topics.DEAD_LETTER_EXCHANGE)
+            self.transport.declare_queue(topics.server_queue(self.experiment), topics.DEAD_LETTER_EXCHANGE,
+                                         topics.CLIENT_QUEUE_LIMITS)
             self._bind_uploads(self.ids)
 
     def _bind_uploads(self, clients: Any) -> None:

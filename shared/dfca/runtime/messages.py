@@ -13,7 +13,7 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from dfca.config import ExperimentConfig
 
@@ -22,11 +22,18 @@ TERMINAL_STATUSES: frozenset[str] = frozenset({"stopped", "completed", "failed"}
 WorkerState = Literal["preparing", "ready", "resumed", "running", "finished", "stopped", "failed"]
 
 
-class Document(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+MAX_ROUND = 10_000_000  # above any run's rounds (the config caps them at 100,000 plus seeding)
+MAX_WORKER = 100_000
+NodeId = Annotated[int, Field(ge=0, le=10_000_000)]
 
-    deployment: str
-    experiment: str
+
+class Document(BaseModel):
+    """Every control and event document: unknown fields, NaN and infinity are refused, numbers are bounded."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    deployment: str = Field(max_length=200)
+    experiment: str = Field(max_length=200)
 
 
 # -- control: topology -> workers, aggregator ----------------------------------------------------------
@@ -68,34 +75,55 @@ class RoundReport(Document):
     """One worker finished round `round` (1-based, like the simulator's records) for its clients."""
 
     kind: Literal["round"] = "round"
-    worker: int
-    incarnation: str
-    round: int
-    clients: list[int]
+    worker: int = Field(ge=0, le=MAX_WORKER)
+    incarnation: str = Field(max_length=100)
+    round: int = Field(ge=1, le=MAX_ROUND)
+    clients: list[NodeId] = Field(max_length=100_000)
     complete: bool = Field(description="every live neighbour's model arrived before the round timeout")
-    seconds: float
+    seconds: float = Field(ge=0.0)
     evaluation: dict[str, list[Any]] | None = Field(
         None, description="MessageDriver.report(): clients, assigned, test_accuracy, train_loss, true_cluster"
     )
     stats: dict[str, Any] = Field(default_factory=dict, description="DriverStats.as_dict(), cumulative per incarnation")
-    lag_seconds: float = Field(0.0, description="mean seconds from a neighbour's publish to its delivery here")
-    bytes_published: int = Field(0, description="payload bytes this worker's clients sent this round, each message "
-                                 "counted once per receiver (as the simulator counts)")
-    dead_neighbours: list[int] = Field(default_factory=list)
+    lag_seconds: float = Field(0.0, ge=0.0, description="mean seconds from a neighbour's publish to its delivery here")
+    bytes_published: int = Field(0, ge=0, description="payload bytes this worker's clients sent this round, each "
+                                 "message counted once per receiver (as the simulator counts)")
+    dead_neighbours: list[NodeId] = Field(default_factory=list)
     at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _evaluation_fits(self) -> RoundReport:
+        """One value per reported client in every list; accuracies in [0, 1]; cluster ids non-negative integers."""
+        if self.evaluation is None:
+            return self
+        n = len(self.clients)
+        for name, values in self.evaluation.items():
+            if len(values) != n:
+                raise ValueError(f"evaluation.{name}: {len(values)} values for {n} clients")
+        if self.evaluation.get("clients", self.clients) != self.clients:
+            raise ValueError("evaluation.clients: not the report's clients")
+        for name in ("test_accuracy",):
+            if not all(isinstance(v, int | float) and 0.0 <= v <= 1.0 for v in self.evaluation.get(name, [])):
+                raise ValueError(f"evaluation.{name}: values must lie in [0, 1]")
+        for name in ("assigned", "true_cluster"):
+            if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1_000_000
+                       for v in self.evaluation.get(name, [])):
+                raise ValueError(f"evaluation.{name}: values must be cluster ids")
+        return self
 
 
 class WorkerEvent(Document):
     """A worker's state for one experiment; sent on every change and every few seconds as its heartbeat."""
 
     kind: Literal["worker"] = "worker"
-    worker: int
-    incarnation: str
+    worker: int = Field(ge=0, le=MAX_WORKER)
+    incarnation: str = Field(max_length=100)
     state: WorkerState
-    round: int = Field(0, description="rounds completed so far")
-    clients: list[int] = Field(default_factory=list)
-    resumed_from: int | None = Field(None, description="rounds completed in the checkpoint it resumed from")
-    detail: str = ""
+    round: int = Field(0, ge=0, le=MAX_ROUND, description="rounds completed so far")
+    clients: list[NodeId] = Field(default_factory=list, max_length=100_000)
+    resumed_from: int | None = Field(None, ge=0, le=MAX_ROUND,
+                                     description="rounds completed in the checkpoint it resumed from")
+    detail: str = Field("", max_length=2000)
     at: float = Field(default_factory=time.time)
 
 

@@ -193,9 +193,15 @@ class MetricsStore:
             return [(r.worker, r.safetensors, r.sha256) for r in rows]
 
     def record_dead_letter(self, experiment: str, exchange: str, routing_key: str) -> None:
+        self.record_dead_letters([(experiment, exchange, routing_key)])
+
+    def record_dead_letters(self, letters: list[tuple[str, str, str]]) -> None:
+        """(experiment, exchange, routing key) of dead letters, in one transaction."""
+        now = time.time()
         with self._write, Session(self.engine) as session, session.begin():
-            session.add(DeadLetterRow(experiment=experiment, exchange=exchange, routing_key=routing_key[:255],
-                                      at=time.time()))
+            session.add_all([DeadLetterRow(experiment=experiment[:255], exchange=exchange[:255],
+                                           routing_key=routing_key[:255], at=now)
+                             for experiment, exchange, routing_key in letters])
 
     # -- reads ----------------------------------------------------------------------------------------
     def experiment(self, experiment: str) -> StoredExperiment | None:

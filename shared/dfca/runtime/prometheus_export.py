@@ -8,7 +8,9 @@ dfca_cluster_accuracy{cluster}, dfca_experiment_status{status}; every one labell
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -16,6 +18,7 @@ from prometheus_client.registry import Collector
 from dfca.runtime.metrics_store import MetricsStore
 from dfca.runtime.run_summary import history, latest_by_round, message_totals
 
+log = logging.getLogger(__name__)
 MAX_EXPERIMENTS = 50  # the most recent ones are exported
 STATUSES = ("created", "running", "stopping", "stopped", "completed", "failed")
 
@@ -54,35 +57,41 @@ class RuntimeCollector(Collector):
         }
         dead = self.store.dead_letter_counts()
         for experiment_id in self.store.experiment_ids()[-MAX_EXPERIMENTS:]:
-            experiment = self.store.experiment(experiment_id)
-            if experiment is None:
-                continue
-            for status in STATUSES:
-                families["status"].add_metric([experiment_id, status], float(experiment.status == status))
-            reports = self.store.reports(experiment_id)
-            totals = message_totals(reports, dead.get(experiment_id, 0))
-            for key in ("published", "applied", "duplicates", "stale_dropped", "not_neighbour", "timeouts",
-                        "dead_lettered"):
-                families[key].add_metric([experiment_id], float(totals[key]))
-            for reason, count in totals["rejected"].items():
-                families["rejected"].add_metric([experiment_id, reason], float(count))
-            by_round = latest_by_round(reports)
-            worker_round: dict[int, int] = {}
-            for round_, by_worker in by_round.items():
-                for w in by_worker:
-                    worker_round[w] = max(worker_round.get(w, 0), round_)
-            for w, r in sorted(worker_round.items()):
-                families["worker_round"].add_metric([experiment_id, str(w)], float(r))
-            families["round"].add_metric([experiment_id], float(min(worker_round.values(), default=0)))
-            records = history(experiment, reports)
-            if records:
-                families["lag"].add_metric([experiment_id], records[-1]["lag_seconds"])
-            evaluated = [r for r in records if "test_accuracy" in r]
-            if evaluated:
-                last = evaluated[-1]
-                families["accuracy"].add_metric([experiment_id], last["test_accuracy"])
-                families["ari"].add_metric([experiment_id], last["ari"])
-                for j, acc in enumerate(last["cluster_accuracy"]):
-                    if acc is not None:
-                        families["cluster_accuracy"].add_metric([experiment_id, str(j)], acc)
+            try:
+                self._add(families, experiment_id, dead)
+            except Exception:  # one experiment's bad records must not take /metrics down for all of them
+                log.exception("metrics of experiment %s could not be exported", experiment_id)
         yield from families.values()
+
+    def _add(self, families: dict[str, Any], experiment_id: str, dead: dict[str, int]) -> None:
+        experiment = self.store.experiment(experiment_id)
+        if experiment is None:
+            return
+        for status in STATUSES:
+            families["status"].add_metric([experiment_id, status], float(experiment.status == status))
+        reports = self.store.reports(experiment_id)
+        totals = message_totals(reports, dead.get(experiment_id, 0))
+        for key in ("published", "applied", "duplicates", "stale_dropped", "not_neighbour", "timeouts",
+                    "dead_lettered"):
+            families[key].add_metric([experiment_id], float(totals[key]))
+        for reason, count in totals["rejected"].items():
+            families["rejected"].add_metric([experiment_id, reason], float(count))
+        by_round = latest_by_round(reports)
+        worker_round: dict[int, int] = {}
+        for round_, by_worker in by_round.items():
+            for w in by_worker:
+                worker_round[w] = max(worker_round.get(w, 0), round_)
+        for w, r in sorted(worker_round.items()):
+            families["worker_round"].add_metric([experiment_id, str(w)], float(r))
+        families["round"].add_metric([experiment_id], float(min(worker_round.values(), default=0)))
+        records = history(experiment, reports)
+        if records:
+            families["lag"].add_metric([experiment_id], records[-1]["lag_seconds"])
+        evaluated = [r for r in records if "test_accuracy" in r]
+        if evaluated:
+            last = evaluated[-1]
+            families["accuracy"].add_metric([experiment_id], last["test_accuracy"])
+            families["ari"].add_metric([experiment_id], last["ari"])
+            for j, acc in enumerate(last["cluster_accuracy"]):
+                if acc is not None:
+                    families["cluster_accuracy"].add_metric([experiment_id, str(j)], acc)

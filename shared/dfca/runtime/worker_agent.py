@@ -75,7 +75,7 @@ class WorkerAgent:
 
     def start(self) -> None:
         ensure_broker_topology(self.transport)
-        self.transport.declare_queue(self.queue, dead_letter_exchange=topics.DEAD_LETTER_EXCHANGE)
+        self.transport.declare_queue(self.queue, topics.DEAD_LETTER_EXCHANGE, topics.SERVICE_QUEUE_LIMITS)
         self.transport.bind(self.queue, topics.CONTROL_EXCHANGE, ALL_EVENTS)
         for name, target in (("control", self._control_loop), ("heartbeat", self._heartbeat_loop),
                              ("recover", self._recover_loop)):

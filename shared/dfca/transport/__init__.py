@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from dfca.transport.base import Message, Transport, TransportError, topic_matches
+from dfca.transport.base import Message, QueueLimits, Transport, TransportError, topic_matches
 from dfca.transport.memory import InMemoryBroker, InMemoryTransport
 from dfca.transport.rabbitmq import RabbitMQTransport
 
@@ -18,6 +18,7 @@ __all__ = [
     "InMemoryBroker",
     "InMemoryTransport",
     "Message",
+    "QueueLimits",
     "RabbitMQTransport",
     "Transport",
     "TransportError",

@@ -45,6 +45,33 @@ def topic_matches(binding_key: str, routing_key: str) -> bool:
     return match(0, 0)
 
 
+@dataclass(frozen=True)
+class QueueLimits:
+    """Bounds of one queue, so that no publisher can fill a broker. Past `max_length` messages or `max_bytes` of
+    bodies the oldest message is dropped (dead-lettered where the queue has a dead-letter exchange): a flood
+    pushes out its own backlog, and publishers are never refused. `expires_s`: the queue is deleted after this
+    long without a consumer; `message_ttl_s`: a message is dropped (dead-lettered) after this long. The
+    in-memory transport keeps the length bounds; expiry and TTL are the broker's."""
+
+    max_length: int | None = None
+    max_bytes: int | None = None
+    expires_s: float | None = None
+    message_ttl_s: float | None = None
+
+    def arguments(self) -> dict[str, object]:
+        """The RabbitMQ queue arguments."""
+        args: dict[str, object] = {"x-overflow": "drop-head"}
+        if self.max_length is not None:
+            args["x-max-length"] = int(self.max_length)
+        if self.max_bytes is not None:
+            args["x-max-length-bytes"] = int(self.max_bytes)
+        if self.expires_s is not None:
+            args["x-expires"] = int(self.expires_s * 1000)
+        if self.message_ttl_s is not None:
+            args["x-message-ttl"] = int(self.message_ttl_s * 1000)
+        return args
+
+
 class Transport(ABC):
     """Publish to exchanges, consume from queues, with topic routing.
 
@@ -61,7 +88,8 @@ class Transport(ABC):
     def declare_exchange(self, name: str, kind: str = "topic") -> None: ...
 
     @abstractmethod
-    def declare_queue(self, name: str, dead_letter_exchange: str | None = None) -> None: ...
+    def declare_queue(self, name: str, dead_letter_exchange: str | None = None,
+                      limits: QueueLimits | None = None) -> None: ...
 
     @abstractmethod
     def delete_queue(self, name: str) -> None: ...

@@ -33,7 +33,7 @@ RABBITMQ_VERSION = "3.10.8"
 def ensure_broker_topology(transport: Transport) -> None:
     for name, kind in topics.EXCHANGES.items():
         transport.declare_exchange(name, kind)
-    transport.declare_queue(topics.DEAD_LETTER_QUEUE)
+    transport.declare_queue(topics.DEAD_LETTER_QUEUE, limits=topics.DEAD_LETTER_LIMITS)
     transport.bind(topics.DEAD_LETTER_QUEUE, topics.DEAD_LETTER_EXCHANGE, "")
 
 
@@ -67,7 +67,7 @@ def broker_definitions(password_hash: str) -> dict[str, Any]:
         "policies": [],
         "queues": [{
             "name": topics.DEAD_LETTER_QUEUE, "vhost": VHOST, "durable": True, "auto_delete": False,
-            "arguments": {},
+            "arguments": topics.DEAD_LETTER_LIMITS.arguments(),
         }],
         "exchanges": [
             {"name": name, "vhost": VHOST, "type": kind, "durable": True, "auto_delete": False,

@@ -8,13 +8,14 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from dfca.transport.base import Message, Transport, TransportError, topic_matches
+from dfca.transport.base import Message, QueueLimits, Transport, TransportError, topic_matches
 
 
 @dataclass
 class _Queue:
     name: str
     dead_letter_exchange: str | None
+    limits: QueueLimits | None = None
     ready: deque[Message] = field(default_factory=deque)
     unacked: dict[int, Message] = field(default_factory=dict)
 
@@ -41,12 +42,25 @@ class InMemoryBroker:
             (kind == "topic" and topic_matches(key, routing_key))
         }
         for q in targets:
-            self.queues[q].ready.append(
-                Message(exchange, routing_key, bytes(body), dict(headers), tag=next(self.tags))
-            )
+            queue = self.queues[q]
+            queue.ready.append(Message(exchange, routing_key, bytes(body), dict(headers), tag=next(self.tags)))
+            self._bound(queue)
         if targets:
             self.lock.notify_all()
         return len(targets)
+
+
+    def _bound(self, queue: _Queue) -> None:
+        """Drop the oldest ready messages past the queue's limits, dead-lettering them (RabbitMQ's drop-head)."""
+        limits = queue.limits
+        if limits is None:
+            return
+        while queue.ready and ((limits.max_length is not None and len(queue.ready) > limits.max_length) or
+                               (limits.max_bytes is not None and
+                                sum(len(m.body) for m in queue.ready) > limits.max_bytes)):
+            dropped = queue.ready.popleft()
+            if queue.dead_letter_exchange in self.exchanges:
+                self.route(queue.dead_letter_exchange, dropped.routing_key, dropped.body, dropped.headers)
 
 
 class InMemoryTransport(Transport):
@@ -70,10 +84,11 @@ class InMemoryTransport(Transport):
             if old != kind:
                 raise TransportError(f"exchange {name!r} exists with kind {old!r}")
 
-    def declare_queue(self, name: str, dead_letter_exchange: str | None = None) -> None:
+    def declare_queue(self, name: str, dead_letter_exchange: str | None = None,
+                      limits: QueueLimits | None = None) -> None:
         self._check()
         with self.broker.lock:
-            self.broker.queues.setdefault(name, _Queue(name, dead_letter_exchange))
+            self.broker.queues.setdefault(name, _Queue(name, dead_letter_exchange, limits))
 
     def delete_queue(self, name: str) -> None:
         self._check()

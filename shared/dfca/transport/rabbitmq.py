@@ -64,7 +64,7 @@ import pika.exceptions
 from pika.adapters.select_connection import IOLoop
 from pika.channel import Channel
 
-from dfca.transport.base import Message, Transport, TransportError
+from dfca.transport.base import Message, QueueLimits, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class _Topology:
     """Everything this transport declared, redeclared after a reconnect. I/O-thread state."""
 
     exchanges: dict[str, str] = field(default_factory=dict)
-    queues: dict[str, str | None] = field(default_factory=dict)
+    queues: dict[str, tuple[dict[str, Any] | None, bool]] = field(default_factory=dict)  # name -> (args, passive)
     bindings: set[tuple[str, str, str]] = field(default_factory=set)  # (queue, exchange, key)
 
 
@@ -298,16 +298,30 @@ class RabbitMQTransport(Transport):
         with self._lock:
             self._known_exchanges.add(name)
 
-    def declare_queue(self, name: str, dead_letter_exchange: str | None = None) -> None:
-        arguments = {"x-dead-letter-exchange": dead_letter_exchange} if dead_letter_exchange else None
+    def declare_queue(self, name: str, dead_letter_exchange: str | None = None,
+                      limits: QueueLimits | None = None) -> None:
+        """A queue that exists with other arguments (declared by an older version, say) is used as it is, with a
+        warning: RabbitMQ cannot change a queue's arguments (it answers 406); delete the queue to get them."""
+        arguments: dict[str, Any] | None = {
+            **({"x-dead-letter-exchange": dead_letter_exchange} if dead_letter_exchange else {}),
+            **(limits.arguments() if limits is not None else {})} or None
 
-        def run(ch: Channel, done: Callable[[Frame], None]) -> None:
-            ch.queue_declare(name, durable=True, arguments=arguments, callback=done)
+        def run(ch: Channel, done: Callable[[Frame], None], args: dict[str, Any] | None = arguments,
+                passive: bool = False) -> None:
+            ch.queue_declare(name, durable=True, passive=passive, arguments=args, callback=done)
 
-        def remember() -> None:
-            self._topology.queues[name] = dead_letter_exchange
+        def remember(args: dict[str, Any] | None = arguments, passive: bool = False) -> None:
+            self._topology.queues[name] = (args, passive)
 
-        self._admin(f"declare queue {name!r}", run, remember)
+        try:
+            self._admin(f"declare queue {name!r}", run, remember)
+        except TransportError as err:
+            if "406" not in str(err) or arguments is None:
+                raise
+            log.warning("%s: queue %r exists with other arguments (%s); using it as it is, without %s",
+                        self.name, name, err, arguments)
+            self._admin(f"declare queue {name!r}", lambda ch, done: run(ch, done, None, True),
+                        lambda: remember(None, True))
 
     def delete_queue(self, name: str) -> None:
         def run(ch: Channel, done: Callable[[Frame], None]) -> None:
@@ -641,11 +655,10 @@ class RabbitMQTransport(Transport):
             ops.append(_AdminOp(f"redeclare exchange {name!r}",
                                 lambda ch, done, n=name, k=kind: ch.exchange_declare(
                                     n, exchange_type=k, durable=True, callback=done)))
-        for name, dlx in topology.queues.items():
-            arguments = {"x-dead-letter-exchange": dlx} if dlx else None
+        for name, (arguments, passive) in topology.queues.items():
             ops.append(_AdminOp(f"redeclare queue {name!r}",
-                                lambda ch, done, n=name, a=arguments: ch.queue_declare(
-                                    n, durable=True, arguments=a, callback=done)))
+                                lambda ch, done, n=name, a=arguments, p=passive: ch.queue_declare(
+                                    n, durable=True, passive=p, arguments=a, callback=done)))
         for queue, exchange, key in topology.bindings:
             ops.append(_AdminOp(f"rebind {queue!r} to {exchange!r} with {key!r}",
                                 lambda ch, done, q=queue, e=exchange, k=key: ch.queue_bind(
