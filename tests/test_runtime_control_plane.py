@@ -95,6 +95,20 @@ def test_mutating_calls_need_the_bearer_token(client: TestClient, coordinator: C
         assert refused.status_code == 401 and "DFCA_API_TOKEN" in refused.json()["detail"]
 
 
+def test_delete_forgets_a_finished_experiment_and_refuses_a_running_one(client: TestClient) -> None:
+    created = client.post("/experiments", json=small(), headers=AUTH).json()["id"]
+    running = client.post("/experiments", json=small(name="r"), headers=AUTH).json()["id"]
+    assert client.post(f"/experiments/{running}:start", headers=AUTH).status_code == 200
+    assert client.delete(f"/experiments/{created}").status_code == 401
+    conflict = client.delete(f"/experiments/{running}", headers=AUTH)
+    assert conflict.status_code == 409 and "stop it" in conflict.json()["detail"]
+    assert client.delete(f"/experiments/{created}", headers=AUTH).json() == {"id": created, "deleted": True}
+    assert client.get(f"/experiments/{created}").status_code == 404
+    assert client.delete(f"/experiments/{created}", headers=AUTH).status_code == 404
+    assert client.post(f"/experiments/{running}:stop", headers=AUTH).status_code == 200
+    assert [e["id"] for e in client.get("/experiments").json()] == [running]
+
+
 def test_bodies_are_refused_before_they_are_read(client: TestClient) -> None:
     """Without the token the body is never read (401 whatever its size); a body above the limit is 413, declared
     or streamed in chunks; NaN and infinity in a config are 422 naming the field, never 500."""

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
+import uvicorn
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from runtime_fixtures import free_port
 
 from dfca import topics
 from dfca.config import ExperimentConfig
@@ -18,7 +23,7 @@ from dfca.evaluation import cluster_ari
 from dfca.runtime.messages import ExperimentEvent, RoundReport, WorkerEvent, encode
 from dfca.runtime.metrics_store import MetricsStore
 from dfca.transport import InMemoryBroker, InMemoryTransport
-from services.metrics.main import MetricsCollector, create_app
+from services.metrics.main import MAX_STREAMS_PER_CLIENT, MetricsCollector, create_app
 
 CFG = ExperimentConfig.model_validate({"name": "m", "clusters": 2, "rounds": 2,
                                        "data": {"dataset": "digits", "clients": 4}})
@@ -141,3 +146,33 @@ def test_forged_reports_are_dead_lettered_and_the_service_keeps_answering(tmp_pa
             assert client.get("/metrics").status_code == 200
     finally:
         collector.close()
+
+
+def test_event_streams_are_limited_per_client(tmp_path: Path) -> None:
+    """A client cannot open event streams without bound: past the limit it gets 429 until it closes one."""
+    store = MetricsStore(f"sqlite:///{tmp_path / 'metrics.db'}")
+    store.record_experiment(ExperimentEvent(deployment="d", experiment="m1", status="running", config=CFG, at=1.0))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(store, "memory://"), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}/experiments/m1/events"
+    try:
+        with httpx.Client(timeout=10) as client, ExitStack() as streams:
+            opened = [streams.enter_context(client.stream("GET", url)) for _ in range(MAX_STREAMS_PER_CLIENT)]
+            assert all(r.status_code == 200 for r in opened)
+            refused = client.get(url)
+            assert refused.status_code == 429 and "too many open event streams" in refused.text
+            opened[0].close()
+            deadline = time.monotonic() + 10
+            while (again := client.get(url, timeout=2)) and again.status_code == 429 and time.monotonic() < deadline:
+                time.sleep(0.2)
+    except httpx.ReadTimeout:
+        again = None  # the stream was accepted and is open: a 200 whose body never ends while the run goes on
+    finally:
+        server.should_exit = True
+        thread.join(5)
+    assert again is None or again.status_code == 200

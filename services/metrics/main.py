@@ -13,11 +13,12 @@ import asyncio
 import json
 import logging
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -47,6 +48,8 @@ from dfca.transport.broker_setup import ensure_broker_topology
 
 log = logging.getLogger(__name__)
 DEAD_LETTER_BATCH = 500
+MAX_STREAMS_PER_CLIENT = 8  # open /events streams per client address; 429 beyond
+MAX_STREAMS = 64
 
 SSE_POLL_S = 0.5
 SSE_KEEPALIVE_S = 15.0
@@ -157,11 +160,26 @@ def create_app(store: MetricsStore, broker_url: str, collector: MetricsCollector
         return {"id": experiment, "status": stored.status, "history": history(stored, store.reports(experiment)),
                 "worker_events": store.worker_events(experiment)}
 
-    @app.get("/experiments/{experiment}/events")
-    async def events(experiment: str) -> StreamingResponse:
+    open_streams: Counter[str] = Counter()  # event streams open, per client address
+
+    @app.get("/experiments/{experiment}/events", responses={429: {"description": "too many open event streams"}})
+    async def events(experiment: str, request: Request) -> StreamingResponse:
         await asyncio.to_thread(experiment_or_404, experiment)
-        return StreamingResponse(progress_stream(store, experiment), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        client = request.client.host if request.client is not None else "unknown"
+        if open_streams[client] >= MAX_STREAMS_PER_CLIENT or sum(open_streams.values()) >= MAX_STREAMS:
+            raise HTTPException(429, f"too many open event streams (at most {MAX_STREAMS_PER_CLIENT} per client and "
+                                f"{MAX_STREAMS} in all); close one, or poll /experiments/{{id}}/metrics",
+                                headers={"Retry-After": "5"})
+        open_streams[client] += 1
+
+        async def counted() -> AsyncIterator[str]:
+            try:
+                async for chunk in progress_stream(store, experiment):
+                    yield chunk
+            finally:
+                open_streams[client] -= 1
+
+        return StreamingResponse(counted(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def results_or_404(make: Any, experiment: str) -> dict[str, bytes]:
         experiment_or_404(experiment)

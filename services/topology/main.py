@@ -79,6 +79,16 @@ def create_app(coordinator: Coordinator, token: str | None, broker_url: str) -> 
             raise HTTPException(409, str(err)) from err
         return {"id": record.id, "status": record.status}
 
+    @app.delete("/experiments/{experiment}", dependencies=[auth], status_code=200)
+    def delete(experiment: str) -> dict[str, Any]:
+        """Forget a created or finished experiment (409 while it runs); its metrics stay in the metrics service."""
+        record_or_404(experiment)
+        try:
+            coordinator.delete(experiment)
+        except InvalidTransition as err:
+            raise HTTPException(409, str(err)) from err
+        return {"id": experiment, "deleted": True}
+
     @app.post("/experiments/{experiment}/edges", dependencies=[auth])
     def change_edges(experiment: str, change: EdgeChange) -> dict[str, Any]:
         record_or_404(experiment)

@@ -22,7 +22,7 @@ MAX_CATEGORIES_PER_CLIENT = 63  # a client's clusters travel as the bits of an i
 
 MAX_SEED = 2**32 - 1  # the seeds derived from it (x 1_000_003, x 31 + c) stay inside torch's and numpy's range
 MAX_LR = 10.0
-MAX_EDGES = 2_000_000  # expected edges of the communication graph (built in memory, sent to every worker)
+MAX_EDGES = 500_000  # expected edges of the communication graph (built in memory, sent to every worker)
 MAX_RUN_BYTES = 256 << 30  # a run's estimated tensors (estimated_run_bytes) beyond this are refused
 
 

@@ -193,6 +193,18 @@ class Coordinator:
         log.info("experiment %s started on %d workers", record.id, record.workers, extra={"experiment": record.id})
         return record
 
+    def delete(self, experiment: str) -> None:
+        """Forget an experiment that is not running (created, or over): its record, graph and saved file. Its
+        metrics stay in the metrics service."""
+        with self.lock:
+            record = self.get(experiment)
+            if record.status in ("running", "stopping"):
+                raise InvalidTransition(f"experiment {experiment} is {record.status}; stop it before deleting it")
+            del self.records[experiment]
+        if self.state_dir is not None:
+            (self.state_dir / f"{experiment}.json").unlink(missing_ok=True)
+        log.info("experiment %s deleted", experiment, extra={"experiment": experiment})
+
     def stop(self, experiment: str) -> ExperimentRecord:
         with self.lock:
             record = self.get(experiment)
