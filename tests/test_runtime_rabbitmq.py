@@ -187,13 +187,31 @@ def ready(api: Api) -> bool:
 
 
 # -- equivalence --------------------------------------------------------------------------------------------
-def test_synchronous_batch_run_matches_the_simulator(stack: Stack) -> None:
+def poison_on_every_exchange(experiment: str) -> list[tuple[str, str, bytes, dict[str, str]]]:
+    """One message per exchange whose chunk headers cannot be valid (part 5 of 1): it used to raise inside the
+    transport's delivery callback, abort the connection and come back for good."""
+    pill = {"x-chunk-id": "pill", "x-chunk-index": "5", "x-chunk-count": "1"}
+    return [(topics.MODELS_EXCHANGE, topics.model_key(experiment, client, 0), b"pill", pill) for client in range(12)] \
+        + [(topics.CONTROL_EXCHANGE, topics.control_key(experiment, "stop"), b"pill", pill),
+           (topics.METRICS_EXCHANGE, topics.metrics_key(experiment, "round"), b"pill", pill),
+           (topics.DEAD_LETTER_EXCHANGE, f"{experiment}.pill", b"pill", pill)]
+
+
+def test_synchronous_batch_run_matches_the_simulator_through_poison_messages(stack: Stack, rabbitmq_url: str) -> None:
+    """A malformed message on every exchange during the run is dead-lettered once and the run ends exactly where
+    the simulator does (no reconnect loop, nothing lost, no round timed out)."""
     cfg = rotated_mnist(name="equiv", aggregation="batch", rounds=4, seed=5, runtime={"round_timeout": 120.0},
                         data={"clients": 12, "train_per_client": 40})
     api = Api.of(stack)
     experiment = api.create_and_start(cfg)
+    api.wait_round(experiment, 1)
+    publish_raw(rabbitmq_url, poison_on_every_exchange(experiment))
     assert api.wait_finished(experiment)["status"] == "completed"
-    assert api.summary(experiment)["messages"]["timeouts"] == 0
+    summary = api.summary(experiment)
+    assert summary["messages"]["timeouts"] == 0
+    assert summary["messages"]["dead_lettered"] >= 12  # each pill, once per queue it reached
+    logs = "".join(p.read_text(errors="replace") for p in (stack.options.state_dir / "logs").glob("*.log"))
+    assert "cannot be taken apart" in logs and "lost its connection" not in logs
     sim = simulate(ExperimentConfig.model_validate(cfg))
     for ordinal in range(3):
         path = stack.options.state_dir / "checkpoints" / experiment / f"{ordinal}.safetensors"

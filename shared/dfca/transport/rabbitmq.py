@@ -38,6 +38,10 @@ larger than `prefetch` parts can always complete. Header names starting with `x-
 reserved. The parts of a message whose publisher died midway stay unacknowledged until this
 transport closes.
 
+A delivery that cannot be taken apart (malformed chunk headers: a part outside its count, counts that
+disagree, more than MAX_CHUNKS parts) is delivered as it is, with header `x-unreadable` saying why, so
+that its consumer rejects and counts it; nothing a message carries escapes into pika's callback.
+
 Headers. Header values are delivered as strings; broker-added tables such as `x-death` are not
 exposed (the string headers `x-first-death-*` are).
 """
@@ -72,6 +76,7 @@ CHUNK_ID = "x-chunk-id"
 CHUNK_INDEX = "x-chunk-index"
 CHUNK_COUNT = "x-chunk-count"
 RESERVED_HEADER_PREFIX = "x-chunk-"
+UNREADABLE_HEADER = "x-unreadable"  # set on a delivery the transport could not take apart; its value says why
 EXCHANGE_KINDS = ("topic", "fanout", "direct")
 MAX_PREFETCH = 65535  # basic.qos prefetch_count is an AMQP short
 RECONNECT_FIRST_DELAY_S = 0.25
@@ -866,15 +871,18 @@ class RabbitMQTransport(Transport):
         method: pika.spec.Basic.Deliver, properties: pika.BasicProperties, body: bytes,
     ) -> None:
         """Nothing one message carries may escape into pika: that would abort the connection, the broker would
-        redeliver the message and the consumer would loop on it for good. A delivery this transport cannot handle
-        is rejected to the dead-letter exchange, once, with the parts of its chunked message held so far."""
+        redeliver the message and the consumer would loop on it for good. A delivery this transport cannot take
+        apart (malformed chunk headers) is handed on as it is, with the header UNREADABLE_HEADER naming what is
+        wrong: the consumer rejects it (to the dead-letter exchange, once) and counts it; a dead-letter consumer
+        counts it too. Acking or rejecting it settles the parts of its chunked message held so far as well."""
         if channel is not consumer.channel or generation != consumer.generation:
             return
         try:
             self._accept_delivery(consumer, channel, method, properties, body)
-        except Exception:  # a poison message, whatever it is
-            log.exception("%s: a delivery on %r could not be handled; dead-lettered", self.name, consumer.queue)
-            self._reject_poison(consumer, channel, method, properties)
+        except Exception as err:  # a poison message, whatever it is
+            log.warning("%s: a delivery on %r cannot be taken apart (%s); handed on marked %s", self.name,
+                        consumer.queue, err, UNREADABLE_HEADER)
+            self._hand_on_unreadable(consumer, channel, method, properties, body, err)
 
     def _accept_delivery(self, consumer: _Consumer, channel: Channel, method: pika.spec.Basic.Deliver,
                        properties: pika.BasicProperties, body: bytes) -> None:
@@ -903,20 +911,27 @@ class RabbitMQTransport(Transport):
         self._deliver(consumer, method.exchange, method.routing_key, whole, raw,
                       tuple(partial.delivery_tags), partial.redelivered, chunk_id)
 
-    def _reject_poison(self, consumer: _Consumer, channel: Channel, method: pika.spec.Basic.Deliver,
-                       properties: pika.BasicProperties) -> None:
-        tags = [method.delivery_tag]
-        chunk_id = str((properties.headers or {}).get(CHUNK_ID, ""))
+    def _hand_on_unreadable(self, consumer: _Consumer, channel: Channel, method: pika.spec.Basic.Deliver,
+                            properties: pika.BasicProperties, body: bytes, err: Exception) -> None:
+        raw = dict(properties.headers or {})
+        chunk_id = str(raw.get(CHUNK_ID, ""))
         partial = consumer.partial.pop(chunk_id, None) if chunk_id else None
+        tags = [method.delivery_tag]
         if partial is not None:
             held = [t for t in partial.delivery_tags if t != method.delivery_tag]
-            consumer.held_chunk_parts -= len(held) + (method.delivery_tag in partial.delivery_tags)
+            consumer.held_chunk_parts -= len(partial.delivery_tags)
             tags = held + tags
             consumer.settled_chunk_ids[chunk_id] = None  # later parts of it are acked as duplicates
-        with contextlib.suppress(Exception):
-            for tag in tags:
-                channel.basic_reject(tag, requeue=False)
+        raw[UNREADABLE_HEADER] = str(err)[:200]
+        try:
+            self._deliver(consumer, method.exchange, method.routing_key, body, raw, tuple(tags),
+                          bool(method.redelivered), None)
             self._adjust_prefetch(consumer)
+        except Exception:  # not even that: drop it to the dead-letter exchange here
+            log.exception("%s: dead-lettering an unreadable delivery on %r", self.name, consumer.queue)
+            with contextlib.suppress(Exception):
+                for tag in tags:
+                    channel.basic_reject(tag, requeue=False)
 
     def _deliver(
         self, consumer: _Consumer, exchange: str, routing_key: str, body: bytes, raw: Mapping[str, Any],
