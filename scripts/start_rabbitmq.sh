@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Start the machine's default RabbitMQ node (rabbit@<host>, AMQP on 5672) with dfca's broker/
 # configuration if it is not running yet, then make sure vhost `dfca` and user `dfca`/`dfca`
-# (local development only) exist with full permissions on that vhost. Idempotent and safe to run
+# (local development only; no management tag) exist with full permissions on that vhost. A node it starts
+# listens on 127.0.0.1 only. Idempotent and safe to run
 # concurrently. The default node is shared: this script never stops or restarts it.
 #
 # Environment:
@@ -48,9 +49,17 @@ else
     "${SUDO[@]}" cp "$REPO/broker/enabled_plugins" "$RUN_DIR/enabled_plugins"
     conf_filter='^$'
   fi
-  grep -Ev "$conf_filter" "$REPO/broker/rabbitmq.conf" \
-    | sed -e "s#^load_definitions = .*#load_definitions = $RUN_DIR/definitions.json#" \
-    | "${SUDO[@]}" tee "$RUN_DIR/rabbitmq.conf" >/dev/null
+  # A local node listens on loopback only (AMQP, and the management UI and Prometheus when enabled);
+  # containers and Kubernetes use broker/rabbitmq.conf as it is.
+  {
+    grep -Ev "$conf_filter" "$REPO/broker/rabbitmq.conf" \
+      | sed -e "s#^load_definitions = .*#load_definitions = $RUN_DIR/definitions.json#"
+    echo "listeners.tcp.local = 127.0.0.1:${RABBITMQ_NODE_PORT:-5672}"
+    if [ "$PLUGINS" != none ]; then
+      echo "management.tcp.ip = 127.0.0.1"
+      echo "prometheus.tcp.ip = 127.0.0.1"
+    fi
+  } | "${SUDO[@]}" tee "$RUN_DIR/rabbitmq.conf" >/dev/null
   if id rabbitmq >/dev/null 2>&1; then
     "${SUDO[@]}" chown -R rabbitmq "$RUN_DIR"
   fi
@@ -60,6 +69,7 @@ else
       RABBITMQ_CONFIG_FILE="$RUN_DIR/rabbitmq.conf" \
       RABBITMQ_ENABLED_PLUGINS_FILE="$RUN_DIR/enabled_plugins" \
       RABBITMQ_PID_FILE="$RUN_DIR/rabbitmq.pid" \
+      RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}" \
       "$@" rabbitmq-server -detached 9>&-
     timeout 150 "${SUDO[@]}" rabbitmqctl wait --timeout 120 "$RUN_DIR/rabbitmq.pid"
   }
@@ -84,7 +94,7 @@ fi
 ctl -q list_vhosts | grep -qx "$VHOST" || ctl add_vhost "$VHOST"
 if ! ctl -q list_users | awk '{print $1}' | grep -qx "$USER_NAME"; then
   ctl add_user "$USER_NAME" "$USER_PASSWORD"
-  ctl set_user_tags "$USER_NAME" administrator
 fi
+ctl set_user_tags "$USER_NAME"  # least privilege: the app user needs no management or administrator tag
 ctl set_permissions -p "$VHOST" "$USER_NAME" '.*' '.*' '.*'
 echo "RabbitMQ is up: amqp://$USER_NAME:$USER_PASSWORD@127.0.0.1:${RABBITMQ_NODE_PORT:-5672}/$VHOST"

@@ -62,6 +62,26 @@ def load_manifests(directory: Path = K8S_DIR) -> list[Manifest]:
     return [doc for path in manifest_files(directory) for doc in load_documents(path)]
 
 
+SECRET_SCRIPT = REPO / "scripts" / "k8s_secret.sh"
+
+
+def cluster_secret(values: Mapping[str, str] | None = None) -> Manifest:
+    """The Secret `dfca-secrets` as scripts/k8s_secret.sh creates it in a cluster (k8s/ holds none, so that
+    re-applying k8s/ cannot restore placeholders): its keys are the script's `--from-literal` keys, its values
+    `values` or test stand-ins."""
+    keys = re.findall(r"--from-literal=([a-z-]+)=", SECRET_SCRIPT.read_text())
+    password = (values or {}).get("broker-password", "test-password")
+    data = {key: (values or {}).get(key, password if key == "broker-password" else
+                                    f"amqp://dfca:{password}@rabbitmq:5672/dfca" if key == "broker-url" else
+                                    "test-token") for key in keys}
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": "dfca-secrets", "namespace": "dfca"}, "stringData": data}
+
+
+def with_cluster_secret(manifests: list[Manifest], values: Mapping[str, str] | None = None) -> list[Manifest]:
+    return [*manifests, cluster_secret(values)]
+
+
 def find_manifest(manifests: Iterable[Manifest], kind: str, name: str) -> Manifest:
     for doc in manifests:
         if doc.get("kind") == kind and doc.get("metadata", {}).get("name") == name:

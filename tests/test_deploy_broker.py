@@ -11,7 +11,7 @@ from pathlib import Path
 import pika
 import pika.exceptions
 import pytest
-from deploy_manifest import K8S_DIR, load_manifests, run_broker_init_container
+from deploy_manifest import K8S_DIR, load_manifests, run_broker_init_container, with_cluster_secret
 from rabbitmq_node import RabbitMQNode, RabbitMQNodeError, node_config, server_bin_dir
 
 from dfca import topics
@@ -26,7 +26,8 @@ def k8s_configured_node(tmp_path: Path) -> Iterator[RabbitMQNode]:
     bin_dir = server_bin_dir()
     if bin_dir is None:
         pytest.skip("RabbitMQ is not installed (scripts/install_rabbitmq.sh)")
-    rendered = run_broker_init_container(load_manifests(K8S_DIR), SECRET_PASSWORD, tmp_path / "pod")
+    rendered = run_broker_init_container(with_cluster_secret(load_manifests(K8S_DIR)), SECRET_PASSWORD,
+                                         tmp_path / "pod")
     assert rendered.returncode == 0, rendered.stderr
     node = RabbitMQNode(tmp_path / "node", bin_dir)
     definitions = tmp_path / "pod" / "config" / "definitions.json"

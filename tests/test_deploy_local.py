@@ -32,6 +32,7 @@ from deploy_manifest import (
     launch_spec,
     render_kustomization,
     service_ports,
+    with_cluster_secret,
 )
 
 from dfca.config import parse_config
@@ -145,7 +146,7 @@ def _on_path(program: str, env: dict[str, str]) -> bool:
 
 @pytest.fixture(scope="module")
 def cluster(rabbitmq_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    manifests = render_kustomization(CPU_OVERLAY_DIR)  # this machine has no GPU: the CPU variant
+    manifests = with_cluster_secret(render_kustomization(CPU_OVERLAY_DIR))  # no GPU here: the CPU variant
     root = tmp_path_factory.mktemp("deploy-local")
     ports = {name: free_port() for name in service_ports(manifests)}
     endpoints = LocalEndpoints(broker_url=rabbitmq_url, service_ports=ports, state_dir=root / "volumes")

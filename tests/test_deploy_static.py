@@ -4,6 +4,7 @@ the Dockerfile are valid, and stay true to the code (entry points, env vars, por
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -26,8 +27,10 @@ from deploy_manifest import (
     K8S_DIR,
     POD_INDEX_LABEL,
     REPO,
+    SECRET_SCRIPT,
     Manifest,
     broker_configmap_data,
+    cluster_secret,
     compose_argv,
     compose_environment,
     container_argv,
@@ -45,6 +48,7 @@ from deploy_manifest import (
     resolve_env,
     run_broker_init_container,
     selector_matches,
+    with_cluster_secret,
     workloads,
 )
 
@@ -60,12 +64,12 @@ API_COMPONENTS = {"topology": 8080, "metrics": 8081}
 
 @pytest.fixture(scope="module")
 def gpu_manifests() -> list[Manifest]:
-    return load_manifests(K8S_DIR)
+    return with_cluster_secret(load_manifests(K8S_DIR))
 
 
 @pytest.fixture(scope="module")
 def cpu_manifests() -> list[Manifest]:
-    return render_kustomization(CPU_OVERLAY_DIR)
+    return with_cluster_secret(render_kustomization(CPU_OVERLAY_DIR))
 
 
 @pytest.fixture(scope="module", params=["gpu", "cpu"])
@@ -147,7 +151,7 @@ def test_cpu_overlay_lists_every_top_level_manifest() -> None:
     assert listed == {path.resolve() for path in manifest_files(K8S_DIR)}
 
 
-def test_cpu_overlay_renders_the_same_with_kustomize(cpu_manifests: list[Manifest]) -> None:
+def test_cpu_overlay_renders_the_same_with_kustomize() -> None:
     if shutil.which("kubectl"):
         command = ["kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(CPU_OVERLAY_DIR)]
     elif shutil.which("kustomize"):
@@ -161,7 +165,7 @@ def test_cpu_overlay_renders_the_same_with_kustomize(cpu_manifests: list[Manifes
     def canonical(docs: list[Manifest]) -> list[str]:
         return sorted(json.dumps(doc, sort_keys=True) for doc in docs)
 
-    assert canonical(rendered) == canonical(cpu_manifests)
+    assert canonical(rendered) == canonical(render_kustomization(CPU_OVERLAY_DIR))
 
 
 # ---------------------------------------------------------------- true to the code
@@ -268,12 +272,35 @@ def test_secret_and_config_references_resolve(manifests: list[Manifest]) -> None
                 assert {item["key"] for item in volume["secret"].get("items", [])} <= keys
 
 
-def test_secret_template_holds_no_real_secret(gpu_manifests: list[Manifest]) -> None:
-    secret = find_manifest(gpu_manifests, "Secret", "dfca-secrets")
-    assert "data" not in secret
-    values = secret["stringData"]
-    assert values["broker-password"] == values["api-token"] == "change-me"
-    assert values["broker-url"] == "amqp://dfca:change-me@rabbitmq:5672/dfca"
+def test_no_manifest_holds_a_secret_that_reapplying_would_restore() -> None:
+    """`kubectl apply -f k8s/` (or the CPU overlay) never carries a Secret: scripts/k8s_secret.sh makes it once."""
+    for docs in (load_manifests(K8S_DIR), render_kustomization(CPU_OVERLAY_DIR)):
+        assert not [d for d in docs if d.get("kind") == "Secret"]
+    assert "change-me" not in "".join(p.read_text() for p in K8S_DIR.rglob("*.yaml"))
+
+
+def test_the_secret_script_creates_random_values_once(tmp_path: Path) -> None:
+    """Run against a stand-in kubectl: random values on the first run, the existing Secret kept on the next."""
+    state, calls = tmp_path / "secret-exists", tmp_path / "calls"
+    kubectl = tmp_path / "bin" / "kubectl"
+    kubectl.parent.mkdir()
+    kubectl.write_text(f"""#!/usr/bin/env bash
+echo "$*" >> {calls}
+if [ "$3" = get ]; then [ -e {state} ]; exit $?; fi
+if [ "$3" = create ]; then touch {state}; fi
+""")
+    kubectl.chmod(0o755)
+    env = {**os.environ, "PATH": f"{kubectl.parent}:{os.environ['PATH']}"}
+    for _ in range(2):
+        run = subprocess.run(["bash", str(SECRET_SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+    creates = [line for line in calls.read_text().splitlines() if " create secret " in line]
+    assert len(creates) == 1 and "kept as it is" in run.stdout
+    literals = dict(re.findall(r"--from-literal=([a-z-]+)=(\S+)", creates[0]))
+    password, token = literals["broker-password"], literals["api-token"]
+    assert re.fullmatch(r"[0-9a-f]{48}", password) and re.fullmatch(r"[0-9a-f]{64}", token)
+    assert literals["broker-url"] == f"amqp://dfca:{password}@rabbitmq:5672/dfca"
+    assert set(literals) == set(cluster_secret()["stringData"])
 
 
 # ---------------------------------------------------------------- workers, GPU and CPU

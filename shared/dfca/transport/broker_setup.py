@@ -56,7 +56,7 @@ def broker_definitions(password_hash: str) -> dict[str, Any]:
             "name": USER,
             "password_hash": password_hash,
             "hashing_algorithm": "rabbit_password_hashing_sha256",
-            "tags": ["administrator"],
+            "tags": [],  # least privilege: no management or administrator rights for the app user
             "limits": {},
         }],
         "vhosts": [{"name": VHOST}],
