@@ -169,7 +169,7 @@ def test_a_message_of_an_exchange_its_round_does_not_have_is_rejected() -> None:
 def test_models_far_in_the_future_are_rejected_and_repeats_are_held_once() -> None:
     """A forger cannot pile up unacknowledged messages (which would fill the prefetch window and stall the run):
     beyond MAX_ROUNDS_AHEAD it is rejected and counted, and a repeat of a held message is a duplicate."""
-    cfg = small_config(rounds=12, dfca={"variant": "paper"})
+    cfg = small_config(rounds=40, dfca={"variant": "paper"})
     broker = InMemoryBroker()
     (a, b), _ = build_drivers(cfg, broker, 2)
     row, client = next((r, c) for r, c in enumerate(a.ids) if any(m in b.ids for m in a.neighbours[c]))
@@ -178,7 +178,7 @@ def test_models_far_in_the_future_are_rejected_and_repeats_are_held_once() -> No
     spec = {n: TensorSpec(s) for n, s in shapes.items()}
     injector = InMemoryTransport(broker)
     ahead = message_driver.MAX_ROUNDS_AHEAD
-    for t in [1, 1, 1, ahead, ahead + 1, 11, 11]:
+    for t in [1, 1, 1, ahead, ahead + 1, 35, 35]:
         forged = Envelope("robust", peer, t, "models", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
         injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", peer, 0), *encode_message(forged, spec))
     a.begin_round(0)
