@@ -2,7 +2,10 @@
 
 - end to end through `dfca up` (3 workers), with bad input published straight to the broker;
 - synchronous batch mode equals the simulator (final models allclose);
-- a worker SIGKILLed at ~40% and restarted resumes from its checkpoint; one killed for good is reported.
+- a malformed message on every exchange does not change a run;
+- a worker, the topology and the metrics service SIGKILLed in turn and restarted lose nothing; a worker killed for
+  good is reported;
+- a stop in the first round stops the work (worker CPU measured) and releases the queues.
 The broker restart is in test_runtime_broker_restart.py.
 """
 
@@ -280,3 +283,62 @@ def test_worker_killed_for_good_is_reported_and_the_rest_completes(stack: Stack)
     assert summary["failed_clients"] == lost and summary["clients"] == 24 - len(lost)
     assert summary["messages"]["timeouts"] >= 1  # the neighbours waited for the lost clients, then carried on
     assert summary["cluster_ari"] >= ARI_BAR
+
+
+# -- stop means stop ------------------------------------------------------------------------------------
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100.0  # utime + stime, in clock ticks of 1/100 s
+
+
+def queues_of(url: str, experiment: str) -> list[str]:
+    """The experiment's client queues that still exist (a passive declare of each hosted client's queue)."""
+    left = []
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        for client in range(24):
+            channel = connection.channel()
+            try:
+                channel.queue_declare(topics.client_queue(experiment, client), passive=True)
+                left.append(str(client))
+                channel.close()
+            except pika.exceptions.ChannelClosedByBroker:
+                pass
+    finally:
+        connection.close()
+    return left
+
+
+def test_a_stop_in_the_first_round_stops_the_work(stack: Stack, rabbitmq_url: str) -> None:
+    """Stopped in its first round, an experiment ends on every worker within that round: each reports it
+    stopped, goes idle (CPU from /proc) and the experiment's queues are gone."""
+    stack.wait_ready(timeout=90)
+    api = Api.of(stack)
+    # a first round of seconds: seeding trains each client's local model for 60 epochs of 400 images
+    cfg = rotated_mnist(name="stop", rounds=50, model={"kind": "mlp", "hidden": 512},
+                        data={"train_per_client": 400}, dfca={"seed_epochs": 60})
+    experiment = api.create_and_start(cfg)
+    workers = [stack.services[f"worker-{i}"] for i in range(3)]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the workers are computing: stop now, inside round 0
+        if all(w.pid and cpu_seconds(w.pid) > 0 for w in workers) and api.experiment(experiment)["status"] == \
+                "running":
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)
+    assert api.experiment(experiment)["round"] == 0
+    assert api.topology.post(f"/experiments/{experiment}:stop").status_code == 200
+    api.wait_until(experiment, lambda s: s["status"] == "stopped", 30, "stopped")
+    for i in range(len(workers)):
+        status = api_status(stack.options.worker_port_base + i)
+        assert status["experiments"][experiment]["state"] == "stopped", status
+    time.sleep(1.0)
+    before = {w.name: cpu_seconds(w.pid) for w in workers if w.pid}
+    time.sleep(5.0)
+    burnt = {name: cpu_seconds(w.pid) - before[name] for name, w in zip(before, workers, strict=True)}
+    assert all(seconds < 0.5 for seconds in burnt.values()), f"CPU seconds in 5 s after the stop: {burnt}"
+    assert queues_of(rabbitmq_url, experiment) == []
+
+
+def api_status(port: int) -> dict:
+    return dict(httpx.get(f"http://127.0.0.1:{port}/status", timeout=10).json())
