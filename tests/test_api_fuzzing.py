@@ -32,26 +32,31 @@ def fuzz(app: FastAPI, known: list[str]) -> Counter[tuple[str, int, str]]:
     errors: Counter[tuple[str, int, str]] = Counter()
     calls = 0
     for result in schema.get_all_operations():
-        operation = result.ok()
-        label = operation.label
-
-        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
-        @given(case=operation.as_strategy(), token=st.booleans(), real=st.sampled_from([None, *known]))
-        def call(case: Any, token: bool, real: str | None, label: str = label) -> None:
-            nonlocal calls
-            if real is not None and "experiment" in (case.path_parameters or {}):
-                case.path_parameters["experiment"] = real
-            if token:
-                case.headers = {**(case.headers or {}), **AUTH}
-            response = case.call()
-            calls += 1
-            if response.status_code >= 500:
-                errors[(label, response.status_code, response.text[:120])] += 1
-
-        call()
+        calls += exercise(result.ok(), known, errors)
     assert calls >= EXAMPLES * 4
     return errors
+
+
+def exercise(operation: Any, known: list[str], errors: Counter[tuple[str, int, str]]) -> int:
+    """EXAMPLES calls of one operation; server errors are counted into `errors`. Returns the calls made."""
+    label, calls = operation.label, 0
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(), token=st.booleans(), real=st.sampled_from([None, *known]))
+    def call(case: Any, token: bool, real: str | None) -> None:
+        nonlocal calls
+        if real is not None and "experiment" in (case.path_parameters or {}):
+            case.path_parameters["experiment"] = real
+        if token:
+            case.headers = {**(case.headers or {}), **AUTH}
+        response = case.call()
+        calls += 1
+        if response.status_code >= 500:
+            errors[(label, response.status_code, response.text[:120])] += 1
+
+    call()
+    return calls
 
 
 def test_the_topology_service_answers_no_server_error() -> None:
