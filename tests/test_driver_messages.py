@@ -145,14 +145,19 @@ def test_gossip_step_times_out_without_a_neighbour() -> None:
             torch.testing.assert_close(a.algorithm.params[n][r], trained[n][r])  # type: ignore[attr-defined]
 
 
-def test_a_message_of_an_exchange_its_round_does_not_have_is_rejected() -> None:
-    cfg = small_config(dfca={"variant": "paper"})
-    broker = InMemoryBroker()
+def receiver_and_peer(cfg: ExperimentConfig, broker: InMemoryBroker) -> tuple[MessageDriver, int, int, Any, Spec]:
+    """Two drivers; the first's row `row` hears client `peer` of the second: (driver, row, peer, shapes, spec)."""
     (a, b), _ = build_drivers(cfg, broker, 2)
     row, client = next((r, c) for r, c in enumerate(a.ids) if any(m in b.ids for m in a.neighbours[c]))
     peer = next(m for m in a.neighbours[client] if m in b.ids)
     shapes = a.algorithm.ctx.model.shapes()
-    spec = {n: TensorSpec(s) for n, s in shapes.items()}
+    return a, row, peer, shapes, {n: TensorSpec(s) for n, s in shapes.items()}
+
+
+def test_a_message_of_an_exchange_its_round_does_not_have_is_rejected() -> None:
+    cfg = small_config(dfca={"variant": "paper"})
+    broker = InMemoryBroker()
+    a, row, peer, shapes, spec = receiver_and_peer(cfg, broker)
     forged = Envelope("robust", peer, 0, "gossip", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
     body, headers = encode_message(forged, spec)  # a paper-rule round has no gossip step
     injector = InMemoryTransport(broker)
@@ -171,11 +176,7 @@ def test_models_far_in_the_future_are_rejected_and_repeats_are_held_once() -> No
     beyond MAX_ROUNDS_AHEAD it is rejected and counted, and a repeat of a held message is a duplicate."""
     cfg = small_config(rounds=40, dfca={"variant": "paper"})
     broker = InMemoryBroker()
-    (a, b), _ = build_drivers(cfg, broker, 2)
-    row, client = next((r, c) for r, c in enumerate(a.ids) if any(m in b.ids for m in a.neighbours[c]))
-    peer = next(m for m in a.neighbours[client] if m in b.ids)
-    shapes = a.algorithm.ctx.model.shapes()
-    spec = {n: TensorSpec(s) for n, s in shapes.items()}
+    a, row, peer, shapes, spec = receiver_and_peer(cfg, broker)
     injector = InMemoryTransport(broker)
     ahead = message_driver.MAX_ROUNDS_AHEAD
     for t in [1, 1, 1, ahead, ahead + 1, 35, 35]:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pika
 import pytest
 from rabbitmq_node import RabbitMQNode
-from transport_contract import Connect, Names, TransportContract, must_receive
+from transport_contract import Connect, Names, TransportContract, dead_letter_pair, must_receive
 
 from dfca import topics
 from dfca.transport import Message, RabbitMQTransport, Transport, TransportError, connect_transport
@@ -107,14 +107,7 @@ def test_bodies_above_chunk_bytes_travel_in_parts_and_arrive_whole(
 
 def test_chunked_message_requeues_and_dead_letters_as_a_whole(connect: Connect, names: Names) -> None:
     transport = connect(chunk_bytes=64 << 10, prefetch=2)
-    dlx, exchange = names.exchange("dlx"), names.exchange("main")
-    transport.declare_exchange(dlx, "fanout")
-    transport.declare_exchange(exchange, "topic")
-    dead, queue = names.queue("dead"), names.queue("main")
-    transport.declare_queue(dead)
-    transport.bind(dead, dlx, "")
-    transport.declare_queue(queue, dead_letter_exchange=dlx)
-    transport.bind(queue, exchange, "#")
+    _, exchange, dead, queue = dead_letter_pair(transport, names)
     body = os.urandom(300_000)  # 5 parts
 
     transport.publish(exchange, "k", body, {"h": "v"})
@@ -149,14 +142,7 @@ def test_malformed_chunks_are_handed_on_marked_unreadable_and_the_consumer_goes_
     the consumer looped for good. Now it arrives marked `x-unreadable`, once, in order, and rejecting it
     dead-letters it (with the part of its chunked message held before it)."""
     transport = connect(prefetch=4)
-    dlx, exchange = names.exchange("dlx"), names.exchange("main")
-    transport.declare_exchange(dlx, "fanout")
-    transport.declare_exchange(exchange, "topic")
-    dead, queue = names.queue("dead"), names.queue("main")
-    transport.declare_queue(dead)
-    transport.bind(dead, dlx, "")
-    transport.declare_queue(queue, dead_letter_exchange=dlx)
-    transport.bind(queue, exchange, "#")
+    _, exchange, dead, queue = dead_letter_pair(transport, names)
     connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
     try:
         channel = connection.channel()

@@ -83,6 +83,20 @@ def topic_setup(transport: Transport, names: Names, bindings: dict[str, list[str
     return exchange, queues
 
 
+def dead_letter_pair(transport: Transport, names: Names) -> tuple[str, str, str, str]:
+    """A fanout dead-letter exchange with its queue `dead`, and a topic exchange whose queue `main` (bound to
+    every key) dead-letters there: (dead-letter exchange, exchange, dead, main)."""
+    dlx, exchange = names.exchange("dlx"), names.exchange("main")
+    transport.declare_exchange(dlx, "fanout")
+    transport.declare_exchange(exchange, "topic")
+    dead, queue = names.queue("dead"), names.queue("main")
+    transport.declare_queue(dead)
+    transport.bind(dead, dlx, "")
+    transport.declare_queue(queue, dead_letter_exchange=dlx)
+    transport.bind(queue, exchange, "#")
+    return dlx, exchange, dead, queue
+
+
 class TransportContract:
     """The shared contract; see the module docstring for the fixtures a subclass provides."""
 
@@ -181,16 +195,7 @@ class TransportContract:
         assert transport.receive(queues["q"], QUIET_S) is None
 
     def test_reject_without_requeue_dead_letters(self, transport: Transport, names: Names) -> None:
-        dlx = names.exchange("dlx")
-        transport.declare_exchange(dlx, "fanout")
-        dead = names.queue("dead")
-        transport.declare_queue(dead)
-        transport.bind(dead, dlx, "")
-        exchange = names.exchange("main")
-        transport.declare_exchange(exchange, "topic")
-        queue = names.queue("main")
-        transport.declare_queue(queue, dead_letter_exchange=dlx)
-        transport.bind(queue, exchange, "exp.#")
+        _, exchange, dead, queue = dead_letter_pair(transport, names)
 
         transport.publish(exchange, "exp.7.1", b"poison", {"reason": "test"})
         transport.reject(must_receive(transport, queue), requeue=False)
@@ -204,13 +209,7 @@ class TransportContract:
                                                                                    names: Names) -> None:
         """A flood cannot fill the broker: past max_length (or max_bytes) the oldest messages are dead-lettered, the
         publisher is never refused, and what is left is the newest."""
-        dlx = names.exchange("dlx")
-        transport.declare_exchange(dlx, "fanout")
-        dead = names.queue("dead")
-        transport.declare_queue(dead)
-        transport.bind(dead, dlx, "")
-        exchange = names.exchange("main")
-        transport.declare_exchange(exchange, "topic")
+        dlx, exchange, dead, _ = dead_letter_pair(transport, names)
         by_length, by_bytes = names.queue("length"), names.queue("bytes")
         transport.declare_queue(by_length, dlx, QueueLimits(max_length=3))
         transport.declare_queue(by_bytes, None, QueueLimits(max_bytes=250))
