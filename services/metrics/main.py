@@ -26,6 +26,7 @@ from dfca import topics
 from dfca.runtime.dashboard import add_dashboard
 from dfca.runtime.event_consumer import QueueConsumer
 from dfca.runtime.experiment_results import NoResults, model_files, plot_files
+from dfca.runtime.experiments import check_round
 from dfca.runtime.http_service import RequestGuard, add_health_routes, add_validation_errors, serve
 from dfca.runtime.messages import (
     TERMINAL_STATUSES,
@@ -40,7 +41,6 @@ from dfca.runtime.metrics_store import MetricsStore
 from dfca.runtime.prometheus_export import RuntimeCollector
 from dfca.runtime.run_summary import history, summary_of
 from dfca.runtime.structured_logs import configure_logging
-from dfca.schedule import RoundSchedule
 from dfca.settings import ServiceSettings
 from dfca.topics import ALL_EVENTS, dead_letter_tap_queue, deployment_tag, events_queue
 from dfca.transport import Transport, connect_transport
@@ -86,10 +86,8 @@ class MetricsCollector:
         elif isinstance(event, FinalModelsShare):
             self.store.record_final_models(event)
         elif isinstance(event, RoundReport):
-            stored = self.store.experiment(event.experiment)
-            if stored is not None and event.round > RoundSchedule(stored.config).total_rounds:
-                raise ValueError(f"experiment {event.experiment}: a report of round {event.round} of "
-                                 f"{RoundSchedule(stored.config).total_rounds}")  # dead-lettered, never stored
+            if (stored := self.store.experiment(event.experiment)) is not None:
+                check_round(event.experiment, stored.config, event)  # refused: dead-lettered, never stored
             self.store.record_round(event)
         else:
             self.store.record_worker(event)

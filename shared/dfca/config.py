@@ -358,7 +358,8 @@ class ExperimentConfig(Strict):
             dataset=d.dataset, features=d.features, feature_dim=d.feature_dim, kind=self.model.kind,
             hidden=self.model.hidden, clients=d.clients if clients is None else clients, clusters=self.clusters,
             train_per_client=d.train_per_client, test_per_client=d.test_per_client,
-            samples=d.samples_per_category * 64 if d.partition == "categories" else None)
+            samples=d.samples_per_category * (MAX_CATEGORIES_PER_CLIENT + 1) if d.partition == "categories"
+            else None)  # categories: at most MAX_CATEGORIES_PER_CLIENT of S each, rounded up
 
     def _check_categories(self) -> None:
         data, fedcref = self.data, self.algorithm == "fedcref"

@@ -62,12 +62,17 @@ class EventRefused(ValueError):
     """An event that contradicts its experiment (its consumer dead-letters it)."""
 
 
+def check_round(experiment: str, config: ExperimentConfig, event: RoundReport | WorkerEvent) -> None:
+    """EventRefused for an event of a round beyond the run's (seeding rounds included)."""
+    if event.round > (total := RoundSchedule(config).total_rounds):
+        raise EventRefused(f"experiment {experiment}: worker {event.worker} reports round {event.round} of {total}")
+
+
 def check_event(record: ExperimentRecord, event: RoundReport | WorkerEvent) -> None:
-    total = RoundSchedule(record.config).total_rounds
+    """EventRefused for an event no worker of this run can send: its worker ordinal or round beyond the run's."""
     if event.worker >= record.workers:
         raise EventRefused(f"experiment {record.id}: worker {event.worker} of {record.workers}")
-    if event.round > total:
-        raise EventRefused(f"experiment {record.id}: worker {event.worker} reports round {event.round} of {total}")
+    check_round(record.id, record.config, event)
 
 
 @dataclass

@@ -54,14 +54,23 @@ def bearer_auth(token: str | None) -> Callable[..., None]:
     """A FastAPI dependency: `Authorization: Bearer <token>` must match; with no token configured, 401 always."""
 
     def check(authorization: str | None = Header(default=None)) -> None:
-        scheme, _, given = (authorization or "").partition(" ")
-        if token is None or token == "":
-            raise HTTPException(401, "DFCA_API_TOKEN is not set on the server: mutating calls are refused",
-                                headers={"WWW-Authenticate": "Bearer"})
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+        if not token_matches(token, authorization):
+            raise HTTPException(401, refusal(token), headers={"WWW-Authenticate": "Bearer"})
 
     return check
+
+
+def token_matches(token: str | None, authorization: str | None) -> bool:
+    """`authorization` is `Bearer <token>`; never true when no token is configured."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return bool(token) and scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
+                                                                             (token or "").encode())
+
+
+def refusal(token: str | None) -> str:
+    """Why a mutating call without the right token is refused."""
+    return ("missing or wrong bearer token" if token else
+            "DFCA_API_TOKEN is not set on the server: mutating calls are refused")
 
 
 MAX_BODY_BYTES = 1 << 20  # a config is a few KB; nothing the API takes comes near this
@@ -84,9 +93,8 @@ class RequestGuard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if self.check_token and scope["method"] in MUTATING and not token_matches(self.token,
                                                                                 headers.get("authorization")):
-            detail = ("missing or wrong bearer token" if self.token else
-                      "DFCA_API_TOKEN is not set on the server: mutating calls are refused")
-            await JSONResponse({"detail": detail}, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            await JSONResponse({"detail": refusal(self.token)}, 401,
+                               headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body:
@@ -128,12 +136,6 @@ def add_validation_errors(app: FastAPI) -> None:
         errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", "")),
                    **({"input": repr(e["input"])[:200]} if "input" in e else {})} for e in err.errors()]
         return JSONResponse({"detail": errors}, 422)
-
-
-def token_matches(token: str | None, authorization: str | None) -> bool:
-    scheme, _, given = (authorization or "").partition(" ")
-    return bool(token) and scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
-                                                                             (token or "").encode())
 
 
 def serve(app: FastAPI, host: str, port: int) -> None:
