@@ -255,7 +255,9 @@ def resolve_env(
             env[name] = _source_data(manifests, "ConfigMap", ref["configMapKeyRef"]["name"])[
                 ref["configMapKeyRef"]["key"]]
         elif "secretKeyRef" in ref:
-            env[name] = _source_data(manifests, "Secret", ref["secretKeyRef"]["name"])[ref["secretKeyRef"]["key"]]
+            data = _source_data(manifests, "Secret", ref["secretKeyRef"]["name"])
+            if ref["secretKeyRef"]["key"] in data or not ref["secretKeyRef"].get("optional", False):
+                env[name] = data[ref["secretKeyRef"]["key"]]  # a missing optional key leaves the variable unset
         elif "fieldRef" in ref:
             match = re.fullmatch(r"metadata\.labels\['([^']+)'\]", ref["fieldRef"]["fieldPath"])
             if match is None:

@@ -65,9 +65,10 @@ def node_config(source: str, definitions: Path) -> str:
 class RabbitMQNode:
     """One private RabbitMQ node; `start`, `stop` and `restart` keep its data (durable queues survive)."""
 
-    def __init__(self, base_dir: Path, bin_dir: Path) -> None:
+    def __init__(self, base_dir: Path, bin_dir: Path, extra_config: str = "") -> None:
         self.base_dir = base_dir
         self.bin_dir = bin_dir
+        self.extra_config = extra_config  # rabbitmq.conf lines added to broker/rabbitmq.conf's (e.g. a TLS listener)
         self.name = f"dfca-test-{secrets.token_hex(4)}@localhost"
         self.port = free_port()
         self.dist_port = free_port()
@@ -76,11 +77,11 @@ class RabbitMQNode:
         self._prepare()
 
     @classmethod
-    def start_new(cls, base_dir: Path) -> RabbitMQNode:
+    def start_new(cls, base_dir: Path, extra_config: str = "") -> RabbitMQNode:
         bin_dir = server_bin_dir()
         if bin_dir is None:
             raise RabbitMQNodeError("RabbitMQ is not installed (run scripts/install_rabbitmq.sh)")
-        node = cls(base_dir, bin_dir)
+        node = cls(base_dir, bin_dir, extra_config)
         node.start()
         return node
 
@@ -98,7 +99,7 @@ class RabbitMQNode:
         definitions = self.base_dir / "definitions.json"
         shutil.copyfile(BROKER_DIR / "definitions.json", definitions)
         config = node_config((BROKER_DIR / "rabbitmq.conf").read_text(), definitions)
-        (self.base_dir / "rabbitmq.conf").write_text(config)
+        (self.base_dir / "rabbitmq.conf").write_text(config + self.extra_config)
         (self.base_dir / "enabled_plugins").write_text("[].\n")
         (self.base_dir / "rabbitmq-env.conf").write_text("")
 

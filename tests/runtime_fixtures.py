@@ -59,12 +59,15 @@ def log_tails(state_dir: Path, lines: int = 15) -> str:
 
 
 @contextmanager
-def running_stack(state_dir: Path, broker_url: str, workers: int = 3, aggregator: bool = False) -> Iterator[Stack]:
-    """A supervised stack (same code as `dfca up`, with `--aggregator` if asked) on free ports, stopped on exit."""
+def running_stack(state_dir: Path, broker_url: str, workers: int = 3, aggregator: bool = False,
+                  broker_users: dict[str, str] | None = None, read_token: str = "") -> Iterator[Stack]:
+    """A supervised stack (same code as `dfca up`, with `--aggregator` if asked) on free ports, stopped on exit;
+    `broker_users`: each process connects as its own principal (`dfca up --broker-users`); `read_token`:
+    DFCA_READ_TOKEN."""
     options = StackOptions(
         workers=workers, broker_url=broker_url, topology_port=free_port(), metrics_port=free_port(),
         aggregator_port=free_port() if aggregator else None, worker_port_base=free_port_block(workers),
-        api_token=TOKEN, state_dir=state_dir, log_to_files=True,
+        api_token=TOKEN, read_token=read_token, state_dir=state_dir, log_to_files=True, broker_users=broker_users,
     )
     stack = Stack(options)
     stop = threading.Event()
@@ -102,8 +105,9 @@ class Api:
     """The topology and metrics REST APIs of one stack."""
 
     def __init__(self, topology_url: str, metrics_url: str, token: str = TOKEN) -> None:
-        self.topology = httpx.Client(base_url=topology_url, timeout=10.0, headers={"Authorization": f"Bearer {token}"})
-        self.metrics = httpx.Client(base_url=metrics_url, timeout=30.0)
+        auth = {"Authorization": f"Bearer {token}"}  # the API token: good for reads under DFCA_READ_TOKEN too
+        self.topology = httpx.Client(base_url=topology_url, timeout=10.0, headers=auth)
+        self.metrics = httpx.Client(base_url=metrics_url, timeout=30.0, headers=auth)
 
     @classmethod
     def of(cls, stack: Stack) -> Api:

@@ -633,3 +633,34 @@ def test_chaos_script_parses() -> None:
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
 
+
+
+def test_compose_runs_each_service_as_its_own_broker_user(tmp_path: Path) -> None:
+    """scripts/compose_broker_users.sh's env file gives every compose service its own principal's URL and the
+    broker the generated definitions; without it every service falls back to the development user."""
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose (Debian package docker-compose) is not installed")
+    env_file, definitions = tmp_path / "compose.env", tmp_path / "definitions.json"
+    made = subprocess.run([sys.executable, "-m", "dfca.broker_users", "definitions", "--workers", "3", "--host",
+                           "rabbitmq", "--out", str(tmp_path / "urls.json"), "--compose-env", str(env_file),
+                           "--definitions-path", str(definitions)], capture_output=True, text=True, check=False)
+    assert made.returncode == 0, made.stderr
+    definitions.write_text(made.stdout)
+    assert env_file.stat().st_mode & 0o077 == 0
+
+    def rendered(*env: str) -> dict[str, Any]:
+        done = subprocess.run(["docker-compose", *env, "-f", str(COMPOSE_FILE), "config"], cwd=REPO,
+                              capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stderr
+        return yaml.safe_load(done.stdout)["services"]
+
+    services = rendered("--env-file", str(env_file))
+    for name in ("topology", "metrics", "worker-0", "worker-1", "worker-2"):
+        url = services[name]["environment"]["DFCA_BROKER_URL"]
+        assert url.startswith(f"amqp://dfca-{name}:") and url.endswith("@rabbitmq:5672/dfca"), (name, url)
+    mounts = [str(v) for v in services["rabbitmq"]["volumes"]]
+    assert any(str(definitions) in v and "/etc/rabbitmq/definitions.json" in v for v in mounts), mounts
+    (tmp_path / "empty.env").write_text("")
+    shared = rendered("--env-file", str(tmp_path / "empty.env"))
+    assert {shared[n]["environment"]["DFCA_BROKER_URL"] for n in ("topology", "worker-0")} == \
+        {"amqp://dfca:dfca@rabbitmq:5672/dfca"}

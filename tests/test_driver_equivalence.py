@@ -20,6 +20,8 @@ from dfca.schedule import RoundSchedule
 from dfca.simulator import Simulation, prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport, RabbitMQTransport
 
+W0 = "worker-0"  # the host word of every client when one worker hosts them all
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here"))]
 
 
@@ -304,7 +306,7 @@ def test_every_algorithm_over_rabbitmq_ends_where_the_simulator_ends(algorithm: 
         assert (sum(d.stats.published for d in run.everyone) > 0) == (algorithm != "local")  # it went over the broker
     finally:
         cleanup = connections[0] if connections else None
-        for queue in [topics.server_queue(unique_id), *(topics.client_queue(unique_id, c) for c in range(10))]:
+        for queue in [topics.server_queue(unique_id), *(topics.client_queue(unique_id, c, W0) for c in range(10))]:
             if cleanup is not None:
                 cleanup.delete_queue(queue)
         for c in connections:

@@ -23,6 +23,8 @@ from dfca.simulator import prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport
 from dfca.wire import Envelope, Spec, TensorSpec, encode_message
 
+W0 = "worker-0"  # the host word of every client when one worker hosts them all
+
 
 def robust_config(rounds: int = 3) -> ExperimentConfig:
     return small_config(rounds=rounds, dfca={"variant": "robust", "seeding": "none", "warmup_rounds": 2,
@@ -57,10 +59,10 @@ def test_threaded_drivers_with_noise_match_the_simulator() -> None:
     k = cfg.clusters
     junk, spec = gossip(sender, k, shapes, 0.0)
     body, headers = encode_message(junk, spec)
-    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", sender + 1, 0), body, headers)  # spoofed
+    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", W0, sender + 1, 0), body, headers)  # spoofed
     nan, _ = gossip(sender, k, shapes, float("nan"))
     body, headers = encode_message(nan, spec)
-    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", sender, 0), body, headers)
+    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", W0, sender, 0), body, headers)
     errors: list[BaseException] = []
 
     def run(driver: MessageDriver) -> None:
@@ -104,7 +106,7 @@ def test_duplicate_and_stale_gossip_messages_are_not_mixed_twice() -> None:
     while (msg := a.transport.receive(queue, 0.0)) is not None:
         first.append(msg)
         a.handle(row, msg)
-    peer_msg = next(m for m in first if m.routing_key == topics.model_key("robust", peer, 0))
+    peer_msg = next(m for m in first if m.routing_key == topics.model_key("robust", W0, peer, 0))
     applied = a.stats.applied
     a.transport.publish(topics.MODELS_EXCHANGE, peer_msg.routing_key, peer_msg.body, peer_msg.headers)
     while (msg := a.transport.receive(queue, 0.0)) is not None:
@@ -161,9 +163,9 @@ def test_a_message_of_an_exchange_its_round_does_not_have_is_rejected() -> None:
     forged = Envelope("robust", peer, 0, "gossip", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
     body, headers = encode_message(forged, spec)  # a paper-rule round has no gossip step
     injector = InMemoryTransport(broker)
-    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", peer, 0), body, headers)
+    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", W0, peer, 0), body, headers)
     future = Envelope("robust", peer, 99, "models", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
-    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", peer, 0), *encode_message(future, spec))
+    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", W0, peer, 0), *encode_message(future, spec))
     a.begin_round(0)
     a.start_exchange(0)
     while (msg := a.transport.receive(a.queues[row], 0.0)) is not None:
@@ -181,7 +183,7 @@ def test_models_far_in_the_future_are_rejected_and_repeats_are_held_once() -> No
     ahead = message_driver.MAX_ROUNDS_AHEAD
     for t in [1, 1, 1, ahead, ahead + 1, 35, 35]:
         forged = Envelope("robust", peer, t, "models", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
-        injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", peer, 0), *encode_message(forged, spec))
+        injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", W0, peer, 0), *encode_message(forged, spec))
     a.begin_round(0)
     a.start_exchange(0)
     while (msg := a.transport.receive(a.queues[row], 0.0)) is not None:

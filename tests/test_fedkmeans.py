@@ -20,6 +20,8 @@ from dfca.simulator import prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport
 from dfca.wire import Envelope, TensorSpec, encode_message
 
+W0 = "worker-0"  # the host word of every client when one worker hosts them all
+
 
 def blobs_config(**overrides: Any) -> ExperimentConfig:
     base: dict[str, Any] = {
@@ -159,7 +161,7 @@ def test_bad_neighbour_centroids_are_rejected_and_the_run_goes_on() -> None:
     for bad in (torch.full((3, 2), float("nan")), torch.zeros(3, 5)):
         body, headers = encode_message(Envelope("lockstep", 0, 0, "centroids", 0, 0, {"centroids": bad}),
                                        {"centroids": TensorSpec(tuple(bad.shape))})
-        InMemoryTransport(broker).publish(topics.MODELS_EXCHANGE, topics.model_key("lockstep", 0, 0), body, headers)
+        InMemoryTransport(broker).publish(topics.MODELS_EXCHANGE, topics.model_key("lockstep", W0, 0, 0), body, headers)
     for t in range(cfg.rounds):
         lockstep_round(run, t)
     rejected = sum(d.stats.rejected["non_finite"] + d.stats.rejected["shape"] for d in run.drivers)

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from dfca import topics
 from dfca.config import ExperimentConfig
+from dfca.principals import host_of
 from dfca.runtime.coordinator import Coordinator
 from dfca.runtime.experiments import BARRIER_TIMEOUT_S, EventRefused, ExperimentRecord, dead_after
 from dfca.runtime.http_service import MAX_BODY_BYTES
@@ -93,6 +94,21 @@ def test_mutating_calls_need_the_bearer_token(client: TestClient, coordinator: C
     with TestClient(create_app(coordinator, None, "memory://")) as no_token:
         refused = no_token.post("/experiments", json=small(), headers=AUTH)
         assert refused.status_code == 401 and "DFCA_API_TOKEN" in refused.json()["detail"]
+
+
+def test_a_read_token_guards_reads_and_cannot_write(coordinator: Coordinator) -> None:
+    read = {"Authorization": "Bearer reader"}
+    with TestClient(create_app(coordinator, TOKEN, "memory://", read_token="reader")) as guarded:
+        experiment = guarded.post("/experiments", json=small(), headers=AUTH).json()["id"]
+        for path in ("/experiments", f"/experiments/{experiment}", f"/experiments/{experiment}/topology"):
+            assert guarded.get(path).status_code == 401, path
+            assert guarded.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
+            assert guarded.get(path, headers=read).status_code == 200, path
+            assert guarded.get(path, headers=AUTH).status_code == 200, path  # the API token reads too
+            assert guarded.get(f"{path}?access_token=reader").status_code == 200, path
+        for path in ("/livez", "/openapi.json"):
+            assert guarded.get(path).status_code == 200, path
+        assert guarded.post(f"/experiments/{experiment}:start", headers=read).status_code == 401  # reading only
 
 
 def test_delete_forgets_a_finished_experiment_and_refuses_a_running_one(client: TestClient) -> None:
@@ -188,8 +204,8 @@ def test_edge_changes_rebind_and_reach_workers_with_an_effective_round(client: T
     assert v in change.neighbours[u] and u in change.neighbours[v]
     # the new edge's queues are bound at once: a model from v reaches u's queue
     transport = InMemoryTransport(broker)
-    transport.publish(topics.MODELS_EXCHANGE, topics.model_key(experiment, v, 0), b"x", {})
-    assert transport.receive(topics.client_queue(experiment, u)) is not None
+    transport.publish(topics.MODELS_EXCHANGE, topics.model_key(experiment, host_of(v, 3), v, 0), b"x", {})
+    assert transport.receive(topics.client_queue(experiment, u, host_of(u, 3))) is not None
     bad = client.post(f"/experiments/{experiment}/edges", json={"add": [[3, 3]]}, headers=AUTH)
     assert bad.status_code == 422
 

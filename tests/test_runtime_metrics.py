@@ -76,6 +76,18 @@ def test_the_summary_has_summary_json_fields_and_runtime_counts(store: MetricsSt
     assert summary["worker_restarts"] == {} and summary["resumed_from"] == {"1": 1}
 
 
+def test_a_read_token_guards_the_metrics_reads_but_not_probes_prometheus_or_the_page(store: MetricsStore) -> None:
+    with TestClient(create_app(store, "memory://", read_token="reader", api_token="writer")) as client:
+        for path in ("/experiments/m1/summary", "/experiments/m1/metrics", "/ui/api/scores", "/ui/api/overview/m1"):
+            assert client.get(path).status_code == 401, path
+            assert client.get(path, headers={"Authorization": "Bearer reader"}).status_code == 200, path
+            assert client.get(path, headers={"Authorization": "Bearer writer"}).status_code == 200, path
+        with client.stream("GET", "/experiments/m1/events?access_token=reader") as events:  # a browser's EventSource
+            assert events.status_code == 200 and "event: summary" in "".join(events.iter_text())
+        for path in ("/livez", "/metrics", "/ui", "/ui/static/app.js"):
+            assert client.get(path).status_code == 200, path
+
+
 def test_failed_clients_are_left_out_of_the_summary(store: MetricsStore) -> None:
     store.record_experiment(ExperimentEvent(deployment="d", experiment="m1", status="completed", config=CFG,
                                             failed_clients=[1, 3], at=1010.0))

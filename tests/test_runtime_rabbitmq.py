@@ -6,7 +6,7 @@
 - a worker, the topology and the metrics service SIGKILLed in turn and restarted lose nothing; a worker killed for
   good is reported;
 - a stop in the first round stops the work (worker CPU measured) and releases the queues.
-The broker restart is in test_runtime_broker_restart.py.
+The broker restart is in test_broker_least_privilege.py (a private node, per-principal users).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from dfca import topics
 from dfca.config import ExperimentConfig
 from dfca.graph import build_graph
 from dfca.models import build_model
+from dfca.principals import host_of
 from dfca.runtime.launcher import Stack
 from dfca.runtime.sharding import clients_of
 from dfca.schedule import RoundSchedule
@@ -51,6 +52,7 @@ from dfca.wire import Envelope, TensorSpec, encode_message, sha256
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 
+WORKERS = 3  # every stack here runs 3 workers
 ACCURACY_BAR = 0.85
 ARI_BAR = 0.95
 
@@ -76,7 +78,7 @@ def bad_model_messages(experiment: str, sender: int, impostor: int) -> list[tupl
     shapes = build_model("mlp", (1, 28, 28), 64, 10).shapes()
     spec = {**{n: TensorSpec(s) for n, s in shapes.items()}, "score": TensorSpec((), "float64"),
             "origin": TensorSpec((), "int64")}
-    key = topics.model_key(experiment, sender, 0)
+    key = topics.model_key(experiment, host_of(sender, WORKERS), sender, 0)
 
     def candidate(fill: float, claimed_sender: int) -> dict[str, torch.Tensor]:
         return {**{n: torch.full(s, fill) for n, s in shapes.items()}, "score": torch.tensor(0.5, dtype=torch.float64),
@@ -194,7 +196,8 @@ def poison_on_every_exchange(experiment: str) -> list[tuple[str, str, bytes, dic
     """One message per exchange whose chunk headers cannot be valid (part 5 of 1): it used to raise inside the
     transport's delivery callback, abort the connection and come back for good."""
     pill = {"x-chunk-id": "pill", "x-chunk-index": "5", "x-chunk-count": "1"}
-    return [(topics.MODELS_EXCHANGE, topics.model_key(experiment, client, 0), b"pill", pill) for client in range(12)] \
+    return [(topics.MODELS_EXCHANGE, topics.model_key(experiment, host_of(client, WORKERS), client, 0), b"pill", pill)
+            for client in range(12)] \
         + [(topics.CONTROL_EXCHANGE, topics.control_key(experiment, "stop"), b"pill", pill),
            (topics.METRICS_EXCHANGE, topics.metrics_key(experiment, "round"), b"pill", pill),
            (topics.DEAD_LETTER_EXCHANGE, f"{experiment}.pill", b"pill", pill)]
@@ -262,17 +265,23 @@ def test_worker_topology_and_metrics_killed_midway_lose_nothing(stack: Stack, si
     assert summary["cluster_ari"] >= ARI_BAR
 
 
-def test_worker_killed_for_good_is_reported_and_the_rest_completes(stack: Stack) -> None:
+def test_a_worker_paused_past_the_run_is_reported_and_leaves_cleanly_when_it_comes_back(stack: Stack,
+                                                                                         rabbitmq_url: str) -> None:
+    """SIGSTOP a worker at round 3: to the others it is dead (no heartbeat, no messages), so the run completes
+    without its clients and says so. SIGCONT after the run: the worker finds the experiment over, reports
+    `stopped`, and deletes the client queues its reconnect declared again (they used to stay on the broker)."""
     cfg = rotated_mnist(name="lost")
     api = Api.of(stack)
     experiment = api.create_and_start(cfg)
     api.wait_round(experiment, 3)
-    stack.kill("worker-2", signal.SIGKILL, restart=False)
+    paused = stack.services["worker-2"].pid
+    assert paused is not None
+    os.kill(paused, signal.SIGSTOP)
     try:
         final = api.wait_finished(experiment)
     finally:
-        stack.services["worker-2"].restart = True  # the supervisor brings it back for later tests
-    lost = clients_of(2, 3, 24)
+        os.kill(paused, signal.SIGCONT)
+    lost = clients_of(2, WORKERS, 24)
     assert final["status"] == "completed", final
     assert final["failed_clients"] == lost
     assert final["worker_states"]["2"]["state"] == "dead"
@@ -283,6 +292,15 @@ def test_worker_killed_for_good_is_reported_and_the_rest_completes(stack: Stack)
     assert summary["failed_clients"] == lost and summary["clients"] == 24 - len(lost)
     assert summary["messages"]["timeouts"] >= 1  # the neighbours waited for the lost clients, then carried on
     assert summary["cluster_ari"] >= ARI_BAR
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # it wakes mid-round, finds its queues gone, reconnects, then asks
+        status = httpx.get(f"http://127.0.0.1:{stack.services['worker-2'].port}/status", timeout=5).json()
+        if status["experiments"][experiment]["state"] != "running":
+            break
+        time.sleep(1.0)
+    assert status["experiments"][experiment]["state"] == "stopped", status
+    assert queues_of(rabbitmq_url, experiment) == [], "the returning worker left its queues behind"
+    assert stack.services["worker-2"].pid == paused  # the same process came back: nothing restarted it
 
 
 # -- stop means stop ------------------------------------------------------------------------------------
@@ -299,7 +317,7 @@ def queues_of(url: str, experiment: str) -> list[str]:
         for client in range(24):
             channel = connection.channel()
             try:
-                channel.queue_declare(topics.client_queue(experiment, client), passive=True)
+                channel.queue_declare(topics.client_queue(experiment, client, host_of(client, WORKERS)), passive=True)
                 left.append(str(client))
                 channel.close()
             except pika.exceptions.ChannelClosedByBroker:

@@ -26,7 +26,7 @@ class TestInMemoryTransport(TransportContract):
         opened: list[Transport] = []
 
         def make() -> Transport:
-            opened.append(InMemoryTransport(broker))
+            opened.append(InMemoryTransport(broker, user="dfca-test"))
             return opened[-1]
 
         yield make

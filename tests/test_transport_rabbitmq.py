@@ -19,6 +19,8 @@ from dfca.transport import Message, RabbitMQTransport, Transport, TransportError
 from dfca.transport.broker_setup import ensure_broker_topology
 from dfca.transport.rabbitmq import CHUNK_COUNT, CHUNK_ID, CHUNK_INDEX, UNREADABLE_HEADER
 
+W0 = "worker-0"  # the host word of every client when one worker hosts them all
+
 pytestmark = pytest.mark.rabbitmq
 
 
@@ -202,13 +204,13 @@ def test_survives_a_broker_restart(private_rabbitmq: RabbitMQNode, unique_id: st
         # The node booted broker/definitions.json: the dfca exchanges exist without declaring them.
         transport.publish(topics.MODELS_EXCHANGE, "nobody.listens", b"")
         ensure_broker_topology(transport)
-        queue = topics.client_queue(unique_id, 1)
+        queue = topics.client_queue(unique_id, 1, W0)
         transport.declare_queue(queue, dead_letter_exchange=topics.DEAD_LETTER_EXCHANGE)
         transport.bind(queue, topics.MODELS_EXCHANGE, topics.experiment_binding(unique_id))
 
         def publish(numbers: range) -> None:
             for i in numbers:
-                transport.publish(topics.MODELS_EXCHANGE, topics.model_key(unique_id, i, 0), str(i).encode())
+                transport.publish(topics.MODELS_EXCHANGE, topics.model_key(unique_id, W0, i, 0), str(i).encode())
 
         publish(range(10))
         held = [must_receive(transport, queue) for _ in range(3)]  # unacknowledged across the restart
@@ -245,14 +247,14 @@ def test_redeclares_its_topology_on_a_broker_that_lost_it(
     node = private_rabbitmq
     transport = RabbitMQTransport(node.url, name="topology-test")
     try:
-        exchange, queue = f"{unique_id}.own", topics.client_queue(unique_id, 2)
+        exchange, queue = f"{unique_id}.own", topics.client_queue(unique_id, 2, W0)
         transport.declare_exchange(exchange, "topic")
         transport.declare_queue(queue)
         transport.bind(queue, exchange, topics.neighbour_binding(unique_id, 5))
         assert transport.receive(queue, 0.1) is None  # the consumer exists before the reset
 
         node.reset()  # the broker comes back without our exchange, queue and binding
-        transport.publish(exchange, topics.model_key(unique_id, 5, 0), b"routed again")
+        transport.publish(exchange, topics.model_key(unique_id, W0, 5, 0), b"routed again")
         message = must_receive(transport, queue)
         assert message.body == b"routed again"
         transport.ack(message)

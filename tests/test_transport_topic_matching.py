@@ -38,11 +38,11 @@ CASES = [
     ("#.*", "a.b", True),
     ("", "", True),
     ("", "a", False),
-    (topics.neighbour_binding("exp1", 2), topics.model_key("exp1", 2, 0), True),
-    (topics.neighbour_binding("exp1", 2), topics.model_key("exp1", 22, 0), False),
-    (topics.neighbour_binding("exp1", 2), topics.model_key("exp2", 2, 0), False),
-    (topics.experiment_binding("exp1"), topics.model_key("exp1", 9, 3), True),
-    (topics.experiment_binding("exp1"), topics.model_key("exp1", topics.SERVER_SENDER, 1), True),
+    (topics.neighbour_binding("exp1", 2), topics.model_key("exp1", "worker-0", 2, 0), True),
+    (topics.neighbour_binding("exp1", 2), topics.model_key("exp1", "worker-0", 22, 0), False),
+    (topics.neighbour_binding("exp1", 2), topics.model_key("exp2", "worker-0", 2, 0), False),
+    (topics.experiment_binding("exp1"), topics.model_key("exp1", "worker-0", 9, 3), True),
+    (topics.experiment_binding("exp1"), topics.model_key("exp1", "aggregator", topics.SERVER_SENDER, 1), True),
 ]
 
 

@@ -11,10 +11,13 @@ from safetensors.torch import save
 from dfca import topics
 from dfca.wire import Envelope, PayloadRejected, Spec, TensorSpec, decode_message, encode_message, sha256
 
+W0 = "worker-0"  # the host word of every client when one worker hosts them all
+AGG = "aggregator"  # the host word of a central role
+
 MODEL: Spec = {"w": TensorSpec((3, 4)), "b": TensorSpec((4,))}
 GOSSIP: Spec = {"num.w": TensorSpec((2, 3, 4)), "num.b": TensorSpec((2, 4)), "den": TensorSpec((2,), "float32")}
 SEED: Spec = {**MODEL, "score": TensorSpec((), "float64"), "origin": TensorSpec((), "int64")}
-KEY = topics.model_key("exp1", 7, 1)
+KEY = topics.model_key("exp1", W0, 7, 1)
 
 
 def model_message() -> Envelope:
@@ -111,9 +114,10 @@ def test_missing_header_rejected(drop: str) -> None:
 
 def test_headers_are_checked_against_the_routing_key_and_experiment() -> None:
     body, headers = encode_message(model_message(), MODEL)
-    assert rejected(lambda: decode(body, headers, key=topics.model_key("exp1", 8, 1))) == "spoofed"
-    assert rejected(lambda: decode(body, headers, key=topics.model_key("exp1", 7, 0))) == "spoofed"
-    assert rejected(lambda: decode(body, headers, key=topics.model_key("exp1", topics.SERVER_SENDER, 1))) == "spoofed"
+    assert rejected(lambda: decode(body, headers, key=topics.model_key("exp1", W0, 8, 1))) == "spoofed"
+    assert rejected(lambda: decode(body, headers, key=topics.model_key("exp1", W0, 7, 0))) == "spoofed"
+    server_key = topics.model_key("exp1", AGG, topics.SERVER_SENDER, 1)
+    assert rejected(lambda: decode(body, headers, key=server_key)) == "spoofed"
     assert rejected(lambda: decode(body, headers, key="exp1.7")) == "routing_key"
     assert rejected(lambda: decode(body, headers, key="exp1.-1.1")) == "routing_key"  # no client id is negative
     assert rejected(lambda: decode_message(KEY.replace("exp1", "exp2"), body, {**headers, "experiment": "exp2"},

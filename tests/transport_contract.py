@@ -28,6 +28,8 @@ from dfca import topics
 from dfca.transport import Message, QueueLimits, Transport, TransportError
 from dfca.wire import Envelope, TensorSpec, decode_message, encode_message
 
+W0 = "worker-0"  # the host word of every client when one worker hosts them all
+
 PATIENCE_S = 10.0  # how long to wait for a message that must arrive
 QUIET_S = 0.3  # how long to wait when checking that a queue is empty
 
@@ -125,21 +127,30 @@ class TransportContract:
         experiment = names.prefix
         exchange, queues = topic_setup(transport, names, {
             "client1": [topics.neighbour_binding(experiment, 2), topics.neighbour_binding(experiment, 3)],
-            "cluster1": [f"{experiment}.*.1"],
+            "cluster1": [f"{experiment}.*.*.1"],
         })
-        sent = [topics.model_key(experiment, s, c) for s, c in [(2, 0), (4, 0), (3, 1), (4, 1), (2, 5), (22, 0)]]
+        sent = [topics.model_key(experiment, W0, s, c) for s, c in [(2, 0), (4, 0), (3, 1), (4, 1), (2, 5), (22, 0)]]
         for key in sent:
             transport.publish(exchange, key, key.encode())
-        sentinel = topics.model_key(experiment, 3, 1)
+        sentinel = topics.model_key(experiment, W0, 3, 1)
         transport.publish(exchange, sentinel, b"end")
 
         def senders_and_clusters(label: str) -> list[tuple[int, int]]:
             received = receive_until(transport, queues[label], b"end")
-            return [topics.parse_model_key(m.routing_key)[1:] for m in received]
+            return [topics.parse_model_key(m.routing_key)[2:] for m in received]
 
         client1, cluster1 = senders_and_clusters("client1"), senders_and_clusters("cluster1")
         assert client1 == [(2, 0), (3, 1), (2, 5), (3, 1)]
         assert cluster1 == [(3, 1), (4, 1), (3, 1)]
+
+    def test_a_delivered_message_names_its_publisher(self, transport: Transport, names: Names) -> None:
+        """The broker stamps (RabbitMQ: validates) the publishing connection's user on every message."""
+        exchange, queues = topic_setup(transport, names, {"all": ["#"]})
+        transport.publish(exchange, "a.b", b"hello")
+        message = transport.receive(queues["all"], timeout=5.0)
+        assert message is not None and message.body == b"hello"
+        assert message.publisher == transport.user
+        transport.ack(message)
 
     def test_unbind_stops_delivery(self, transport: Transport, names: Names) -> None:
         exchange, queues = topic_setup(transport, names, {"q": ["k1", "k2"]})
@@ -263,7 +274,7 @@ class TransportContract:
             assert message.body == body
             assert dict(message.headers) == headers
             transport.ack(message)
-        decoded = decode_message(topics.model_key(names.prefix, 3, 1), model_body, model_headers, names.prefix,
+        decoded = decode_message(topics.model_key(names.prefix, W0, 3, 1), model_body, model_headers, names.prefix,
                                  lambda _head: spec)
         assert torch.equal(decoded.tensors["w"], update.tensors["w"])
 

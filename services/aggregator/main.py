@@ -26,6 +26,7 @@ from dfca.runtime.messages import (
     StartCommand,
     StopCommand,
     TopologyChange,
+    control_principal,
     decode_control,
     encode,
 )
@@ -49,7 +50,7 @@ class Aggregator:
         self.lock = threading.Lock()  # the control consumer and the recovery both start roles
         self.transport = connect_transport(broker_url, name="dfca-aggregator")
         self.queue = aggregator_control_queue(deployment)
-        self.consumer = QueueConsumer(self.transport, self.queue, decode_control, self.handle)
+        self.consumer = QueueConsumer(self.transport, self.queue, decode_control, self.handle, control_principal)
         self.roles: dict[str, tuple[ServerRole, threading.Event, threading.Thread]] = {}
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.consumer.run_forever, args=(self.stopping,), daemon=True)

@@ -36,6 +36,7 @@ from dfca.runtime.messages import (
     RoundReport,
     WorkerEvent,
     decode_event,
+    event_principal,
 )
 from dfca.runtime.metrics_store import MetricsStore
 from dfca.runtime.prometheus_export import RuntimeCollector
@@ -62,7 +63,7 @@ class MetricsCollector:
         self.transport, self.store, self.deployment = transport, store, deployment
         self.events = events_queue(deployment, "metrics")
         self.dead_letters = dead_letter_tap_queue(deployment)
-        self.consumer = QueueConsumer(transport, self.events, decode_event, self.on_event)
+        self.consumer = QueueConsumer(transport, self.events, decode_event, self.on_event, event_principal)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="metrics-consumer", daemon=True)
 
@@ -117,7 +118,9 @@ class MetricsCollector:
 
 
 def create_app(store: MetricsStore, broker_url: str, collector: MetricsCollector | None = None,
-               topology_url: str | None = None) -> FastAPI:
+               topology_url: str | None = None, read_token: str | None = None,
+               api_token: str | None = None) -> FastAPI:
+    """`read_token`: reads need it (or `api_token`); None: reads are open."""
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
@@ -125,7 +128,8 @@ def create_app(store: MetricsStore, broker_url: str, collector: MetricsCollector
             collector.close()
 
     app = FastAPI(title="dfca metrics", version="1", lifespan=lifespan)
-    app.add_middleware(RequestGuard)  # bodies above MAX_BODY_BYTES refused (413) before they are read
+    # bodies above MAX_BODY_BYTES refused (413) before they are read; reads checked against the read token
+    app.add_middleware(RequestGuard, token=api_token, read_token=read_token)
     add_validation_errors(app)
     registry = CollectorRegistry()
     registry.register(RuntimeCollector(store))
@@ -254,7 +258,8 @@ def main() -> None:
     collector = MetricsCollector(transport, store, deployment_tag(settings.topology_url))
     collector.open()
     try:
-        serve(create_app(store, settings.broker_url, collector, settings.topology_url), settings.host, settings.port)
+        serve(create_app(store, settings.broker_url, collector, settings.topology_url, settings.read_token,
+                         settings.api_token), settings.host, settings.port)
     finally:
         collector.close()
         transport.close()

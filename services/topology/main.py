@@ -35,14 +35,14 @@ class EdgeChange(BaseModel):
     remove: list[tuple[int, int]] = Field(default_factory=list)
 
 
-def create_app(coordinator: Coordinator, token: str | None, broker_url: str) -> FastAPI:
+def create_app(coordinator: Coordinator, token: str | None, broker_url: str, read_token: str | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         coordinator.close()
 
     app = FastAPI(title="dfca topology", version="1", lifespan=lifespan)
-    app.add_middleware(RequestGuard, token=token, check_token=True)  # 401/413 before a body is read
+    app.add_middleware(RequestGuard, token=token, check_token=True, read_token=read_token)  # 401/413 before a body
     add_validation_errors(app)
     auth = Depends(bearer_auth(token))
     add_health_routes(app, broker_url)
@@ -131,7 +131,8 @@ def main() -> None:
     if not settings.api_token:
         log.warning("DFCA_API_TOKEN is not set: every mutating call will get 401")
     try:
-        serve(create_app(coordinator, settings.api_token, settings.broker_url), settings.host, settings.port)
+        serve(create_app(coordinator, settings.api_token, settings.broker_url, settings.read_token), settings.host,
+              settings.port)
     finally:
         coordinator.close()
         transport.close()

@@ -193,10 +193,14 @@ def up(
     worker_port_base: int = typer.Option(8090, help="worker i serves /livez and /readyz on this port + i"),
     state_dir: Path = typer.Option(Path(".dfca"), help="checkpoints, metrics database and logs go here"),
     log_to_files: bool = typer.Option(False, "--log-files", help="services log to STATE_DIR/logs/ instead"),
+    broker_users: Path = typer.Option(None, "--broker-users", help="each process connects as its own broker user: "
+                                      "the URLs `python -m dfca.broker_users create` wrote (default "
+                                      "DFCA_BROKER_USERS; none: every process uses --broker)"),
 ) -> None:
     """Run the whole stack locally (topology, metrics, N workers) as OS processes; Ctrl-C stops it."""
     import os
 
+    from dfca.broker_users import read_urls
     from dfca.runtime.launcher import StackOptions, run_stack
     from dfca.settings import DEFAULT_BROKER_URL
 
@@ -204,10 +208,21 @@ def up(
         workers=workers, broker_url=broker or os.environ.get("DFCA_BROKER_URL") or DEFAULT_BROKER_URL, host=host,
         topology_port=topology_port, metrics_port=metrics_port, aggregator_port=8083 if aggregator else None,
         worker_port_base=worker_port_base,
-        api_token=os.environ.get("DFCA_API_TOKEN", ""), state_dir=state_dir,
+        api_token=os.environ.get("DFCA_API_TOKEN", ""), read_token=os.environ.get("DFCA_READ_TOKEN", ""),
+        state_dir=state_dir,
         metrics_db_url=os.environ.get("DFCA_METRICS_DB_URL"), data_root=os.environ.get("DFCA_DATA_ROOT"),
         log_level=os.environ.get("DFCA_LOG_LEVEL", "INFO"), log_to_files=log_to_files,
     )
+    users_file = broker_users or (Path(os.environ["DFCA_BROKER_USERS"]) if os.environ.get("DFCA_BROKER_USERS")
+                                  else None)
+    if users_file is not None:
+        try:
+            options.broker_users = read_urls(users_file)
+            for ordinal in range(workers):
+                options.broker_url_of(f"worker-{ordinal}")
+        except ValueError as err:
+            typer.echo(f"dfca up: {err}", err=True)
+            raise typer.Exit(2) from None
     raise typer.Exit(run_stack(options))
 
 

@@ -45,10 +45,12 @@ class Endpoints:
 
     @classmethod
     def resolve(cls, topology: str | None, metrics: str | None, token: str | None) -> Endpoints:
-        """Flags first, then DFCA_TOPOLOGY_URL, DFCA_METRICS_URL and DFCA_API_TOKEN, then the `dfca up` defaults."""
+        """Flags first, then DFCA_TOPOLOGY_URL, DFCA_METRICS_URL and DFCA_API_TOKEN (else DFCA_READ_TOKEN, enough to
+        read), then the `dfca up` defaults."""
         return cls((topology or os.environ.get("DFCA_TOPOLOGY_URL") or DEFAULT_TOPOLOGY_URL).rstrip("/"),
                    (metrics or os.environ.get("DFCA_METRICS_URL") or DEFAULT_METRICS_URL).rstrip("/"),
-                   token if token is not None else os.environ.get("DFCA_API_TOKEN", ""))
+                   token if token is not None else
+                   os.environ.get("DFCA_API_TOKEN") or os.environ.get("DFCA_READ_TOKEN", ""))
 
 
 class RuntimeClient:

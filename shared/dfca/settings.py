@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 ENV_VARS: dict[str, str] = {
     "DFCA_BROKER_URL": "AMQP URL of RabbitMQ, e.g. amqp://dfca:dfca@127.0.0.1:5672/dfca",
-    "DFCA_API_TOKEN": "bearer token that mutating REST calls must carry",
+    "DFCA_API_TOKEN": "bearer token that mutating REST calls must carry (it is good for reads too)",
+    "DFCA_READ_TOKEN": "bearer token that reads of the REST APIs must carry; unset: reads are open",
+    "DFCA_BROKER_USERS": "JSON file of each principal's AMQP URL (python -m dfca.broker_users) for `dfca up`",
     "DFCA_TOPOLOGY_URL": "base URL of the topology service, for workers and the aggregator",
     "DFCA_METRICS_URL": "base URL of the metrics service",
     "DFCA_METRICS_DB_URL": "SQLAlchemy URL of the metrics store (SQLite by default, PostgreSQL by URL)",
@@ -22,10 +24,18 @@ ENV_VARS: dict[str, str] = {
     "DFCA_DATA_ROOT": "folder with local dataset files (MNIST/EMNIST IDX, CIFAR-10 binary, FEMNIST JSON)",
     "DFCA_DEVICE": "cpu, cuda or auto: where a worker (or the aggregator) computes; unset: the config's `device`",
     "DFCA_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR",
+    "DFCA_TLS_CERT": "PEM certificate (chain) a service's HTTP server presents: it answers HTTPS only",
+    "DFCA_TLS_KEY": "PEM private key of DFCA_TLS_CERT",
 }
 
 DEFAULT_BROKER_URL = "amqp://dfca:dfca@127.0.0.1:5672/dfca"
 DEFAULT_PORTS = {"topology": 8080, "metrics": 8081, "worker": 8082, "aggregator": 8083}
+
+
+def service_auth() -> dict[str, str]:
+    """The header a service (worker, aggregator) sends on its own REST calls to the topology service."""
+    token = env("DFCA_API_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def env(name: str, default: str | None = None) -> str | None:
@@ -38,6 +48,7 @@ def env(name: str, default: str | None = None) -> str | None:
 class ServiceSettings:
     broker_url: str
     api_token: str | None
+    read_token: str | None
     topology_url: str
     metrics_url: str
     metrics_db_url: str
@@ -55,6 +66,7 @@ class ServiceSettings:
         return cls(
             broker_url=env("DFCA_BROKER_URL", DEFAULT_BROKER_URL) or DEFAULT_BROKER_URL,
             api_token=env("DFCA_API_TOKEN"),
+            read_token=env("DFCA_READ_TOKEN") or None,
             topology_url=env("DFCA_TOPOLOGY_URL", "http://127.0.0.1:8080") or "",
             metrics_url=env("DFCA_METRICS_URL", "http://127.0.0.1:8081") or "",
             metrics_db_url=env("DFCA_METRICS_DB_URL", "sqlite:///dfca-metrics.db") or "",

@@ -1,17 +1,22 @@
 """Exchange names, routing keys and queue names: the one place that defines them.
 
 Algorithm messages go to the topic exchange `dfca.models` with the routing key
-`<experiment_id>.<sender_client_id>.<cluster_id>` (`server` in place of the client id for a central
-role). A client's queue binds to `<experiment_id>.<neighbour_id>.*` for each current neighbour (and
-to `<experiment_id>.server.*` when its algorithm has a server), so routing is keyed by sender and
-cluster id.
+`<experiment_id>.<host>.<sender_client_id>.<cluster_id>`: `host` is the principal that hosts the sender
+(`worker-<i>`, or `aggregator` with `server` in place of the client id for a central role; see
+`dfca.principals`), so a broker topic permission can let a worker publish only its own clients' keys.
+A client's queue (`dfca.<experiment_id>.<host>.client.<client_id>`, named after its host so that a
+worker's permissions cover only its own queues) binds to `<experiment_id>.*.<neighbour_id>.*` for each
+current neighbour (and to `<experiment_id>.aggregator.server.*` when its algorithm has a server), so
+routing is keyed by sender and cluster id.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from typing import NamedTuple
 
+from dfca import principals
 from dfca.transport.base import QueueLimits
 
 MODELS_EXCHANGE = "dfca.models"
@@ -51,36 +56,49 @@ SERVER_SENDER = -1  # the sender id of a central role (IFCA's server); routing k
 SERVER_WORD = "server"
 
 
-def model_key(experiment: str, sender: int, part: int) -> str:
-    """Routing key of a message that `sender` (a client, or SERVER_SENDER) sends for cluster `part`."""
+class ModelKey(NamedTuple):
+    experiment: str
+    host: str  # the principal hosting the sender
+    sender: int
+    part: int
+
+
+def model_key(experiment: str, host: str, sender: int, part: int) -> str:
+    """Routing key of a message that `sender` (a client, or SERVER_SENDER), hosted by principal `host`,
+    sends for cluster `part`."""
     word = SERVER_WORD if sender == SERVER_SENDER else str(int(sender))
-    return f"{check_word(experiment, 'experiment id')}.{word}.{int(part)}"
+    return f"{check_word(experiment, 'experiment id')}.{check_word(host, 'host')}.{word}.{int(part)}"
 
 
-def parse_model_key(key: str) -> tuple[str, int, int]:
-    """Inverse of `model_key`: (experiment, sender, part); raises ValueError on a malformed key."""
+def parse_model_key(key: str) -> ModelKey:
+    """Inverse of `model_key`; raises ValueError on a malformed key."""
     parts = key.split(".")
-    if len(parts) != 3:
-        raise ValueError(f"model routing key {key!r} must have 3 words")
-    if parts[1] == SERVER_WORD:
-        return parts[0], SERVER_SENDER, int(parts[2])
-    sender = int(parts[1])
+    if len(parts) != 4:
+        raise ValueError(f"model routing key {key!r} must have 4 words")
+    experiment, host, word, part = parts
+    if not principals.is_principal(host):
+        raise ValueError(f"model routing key {key!r}: {host!r} is not a host")
+    if word == SERVER_WORD:
+        return ModelKey(experiment, host, SERVER_SENDER, int(part))
+    sender = int(word)
     if sender < 0:
         raise ValueError(f"model routing key {key!r}: a client id is not negative")
-    return parts[0], sender, int(parts[2])
+    return ModelKey(experiment, host, sender, int(part))
 
 
 def neighbour_binding(experiment: str, neighbour: int) -> str:
-    """Binding key that delivers every cluster's model from one neighbour."""
-    return f"{check_word(experiment, 'experiment id')}.{int(neighbour)}.*"
+    """Binding key that delivers every cluster's model from one neighbour (whoever claims to host it: the
+    broker's topic permissions and the receiver's publisher check decide whether the claim holds)."""
+    return f"{check_word(experiment, 'experiment id')}.*.{int(neighbour)}.*"
 
 
 def experiment_binding(experiment: str) -> str:
     return f"{check_word(experiment, 'experiment id')}.#"
 
 
-def client_queue(experiment: str, client: int) -> str:
-    return f"dfca.{check_word(experiment, 'experiment id')}.client.{int(client)}"
+def client_queue(experiment: str, client: int, host: str) -> str:
+    """The queue of `client`, hosted by principal `host` (`principals.host_of`)."""
+    return f"dfca.{check_word(experiment, 'experiment id')}.{check_word(host, 'host')}.client.{int(client)}"
 
 
 def server_queue(experiment: str) -> str:
@@ -90,7 +108,7 @@ def server_queue(experiment: str) -> str:
 
 def server_binding(experiment: str) -> str:
     """Binding key that delivers every cluster's model from the aggregator (IFCA's server)."""
-    return f"{check_word(experiment, 'experiment id')}.{SERVER_WORD}.*"
+    return f"{check_word(experiment, 'experiment id')}.{principals.AGGREGATOR}.{SERVER_WORD}.*"
 
 
 def control_key(experiment: str, event: str) -> str:
@@ -116,7 +134,7 @@ def deployment_tag(topology_url: str) -> str:
 
 
 def worker_control_queue(deployment: str, ordinal: int) -> str:
-    return f"dfca.control.{check_word(deployment, 'deployment')}.worker-{int(ordinal)}"
+    return f"dfca.control.{check_word(deployment, 'deployment')}.{principals.worker(ordinal)}"
 
 
 def aggregator_control_queue(deployment: str) -> str:

@@ -127,7 +127,7 @@ def read_headers(routing_key: str, headers: Mapping[str, object], experiment: st
         if key not in headers:
             raise PayloadRejected("bad_header", f"header {key!r} missing")
     try:
-        key_experiment, sender, part = topics.parse_model_key(routing_key)
+        key_experiment, _host, sender, part = topics.parse_model_key(routing_key)
     except ValueError as err:
         raise PayloadRejected("routing_key", str(err)) from err
     head = Envelope(str(headers["experiment"]), _int_header(headers, "sender"), _int_header(headers, "round"),

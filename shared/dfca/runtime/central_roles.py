@@ -35,6 +35,7 @@ from dfca.models import build_model
 from dfca.runtime.host_transport import HostTransport, RunInterrupted
 from dfca.runtime.message_driver import MessageDriver
 from dfca.runtime.messages import TERMINAL_STATUSES, StartCommand
+from dfca.settings import service_auth
 from dfca.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,8 @@ class ServerRole:
         if not self.topology_url:
             return False
         try:
-            response = httpx.get(f"{self.topology_url}/experiments/{self.experiment}", timeout=5.0)
+            response = httpx.get(f"{self.topology_url}/experiments/{self.experiment}", timeout=5.0,
+                                 headers=service_auth())
         except httpx.HTTPError:
             return False
         if response.status_code == 404:
@@ -94,7 +96,7 @@ class ServerRole:
             return True
 
         transport = HostTransport(self.transport)  # acks wait for the round's checkpoint
-        driver = MessageDriver(server, self.experiment, transport, keep_going)
+        driver = MessageDriver(server, self.experiment, transport, keep_going, workers=self.command.workers)
         self.driver = driver
         finished = False
         try:

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 EventSink = Callable[[RoundReport | WorkerEvent | FinalModelsShare], None]
 Connect = Callable[[int], Transport]  # prefetch -> a new connection
 MAX_RECOVERIES = 20
+OVER_CHECK_S = 5.0  # while waiting for messages, ask the topology service this often whether the run has ended
 RECOVERY_BACKOFF_S = (1.0, 15.0)
 
 
@@ -110,8 +111,13 @@ class ClientRunner:
         emit: EventSink,
         checkpoint_dir: Path,
         data: FederatedData | None = None,
+        over: Callable[[], bool] | None = None,
     ) -> None:
+        """`over()`: the topology service says the experiment has ended (asked every OVER_CHECK_S while waiting)."""
         self.spec = spec
+        self.over = over
+        self._next_over_check = 0.0
+        self._ended_without_us = False
         self.connect = connect
         self.emit = emit
         self.checkpoint = checkpoint_path(checkpoint_dir, spec.experiment, spec.ordinal)
@@ -221,7 +227,8 @@ class ClientRunner:
                 return
             model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, self.device)
             ctx = HostContext(cfg, model, data, spec.clients, self._graph, self.device)
-            driver = MessageDriver(clients_of(ctx), spec.experiment, transport)
+            driver = MessageDriver(clients_of(ctx), spec.experiment, transport, self._keep_going,
+                                   workers=spec.workers)
             self.driver = driver
             driver.setup()
             next_round = 0
@@ -235,12 +242,43 @@ class ClientRunner:
             if first:
                 self._report("resumed" if self.status.resumed_from else "ready")
             self._wait_for_go()
-            self._rounds(driver, transport, next_round)
+            try:
+                self._rounds(driver, transport, next_round)
+            except RunInterrupted:
+                if self._ended_without_us:
+                    self._leave(driver, transport)
+                raise
             self._send_final_models(driver)
             self._report("finished")
         finally:
             self._transport = None
             transport.close()
+
+    def _keep_going(self) -> bool:
+        """Asked by the driver while it waits: go on unless stopping, or the experiment ended without this worker
+        (it was paused or cut off, presumed dead, and the run completed without its clients)."""
+        if self._stop.is_set():
+            return False
+        now = time.monotonic()
+        if self.over is not None and now >= self._next_over_check:
+            self._next_over_check = now + OVER_CHECK_S
+            if self.over():
+                log.warning("experiment %s ended while worker %d was away (at round %d): leaving it",
+                            self.spec.experiment, self.spec.ordinal, self.status.rounds_done)
+                self._ended_without_us = True
+                return False
+        return True
+
+    def _leave(self, driver: MessageDriver, transport: HostTransport) -> None:
+        """The experiment is over: delete this worker's client queues (a reconnect may have declared them again
+        after the topology service deleted them) and its checkpoint."""
+        for name in driver.queues:
+            try:
+                transport.delete_queue(name)
+            except TransportError as err:
+                log.debug("could not delete %s: %s", name, err)
+        self.checkpoint.unlink(missing_ok=True)
+        self._report("stopped", detail="the experiment ended while this worker was away")
 
     def _wait_for_go(self) -> None:
         while not self._go.wait(0.5):

@@ -26,6 +26,7 @@ from dfca import topics
 from dfca.algorithms import SERVERS
 from dfca.config import ExperimentConfig
 from dfca.graph import build_graph
+from dfca.principals import host_of
 from dfca.runtime.event_consumer import QueueConsumer
 from dfca.runtime.experiments import HEARTBEAT_S, RUNTIME_ALGORITHMS, ExperimentRecord
 from dfca.runtime.messages import (
@@ -40,6 +41,7 @@ from dfca.runtime.messages import (
     WorkerEvent,
     decode_event,
     encode,
+    event_principal,
 )
 from dfca.topics import ALL_EVENTS, events_queue
 from dfca.transport import Transport
@@ -102,7 +104,7 @@ class Coordinator:
         queue = events_queue(self.deployment, "topology")
         self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.SERVICE_QUEUE_LIMITS)
         self.transport.bind(queue, topics.METRICS_EXCHANGE, ALL_EVENTS)
-        self.consumer = QueueConsumer(self.transport, queue, decode_event, self.on_event)
+        self.consumer = QueueConsumer(self.transport, queue, decode_event, self.on_event, event_principal)
         self._thread = threading.Thread(target=self._loop, name="coordinator", daemon=True)
         self._thread.start()
 
@@ -186,6 +188,8 @@ class Coordinator:
             self.check_can_run(record.config)
             record.workers = self.worker_count(record.config)
             record.start(self.clock())
+            if record.config.algorithm in SERVERS:
+                self._declare_server_queue(record)
             self._control(StartCommand(deployment=self.deployment, experiment=record.id, config=record.config,
                                        workers=record.workers, neighbours=record.neighbours(),
                                        topology_version=record.topology_version))
@@ -237,11 +241,19 @@ class Coordinator:
             self._changed(record, announce=False)
         return record
 
+    def _declare_server_queue(self, record: ExperimentRecord) -> None:
+        """The central role's queue, bound to every client's uploads: they wait there until the aggregator's role
+        has started (workers may not declare it: dfca.broker_users)."""
+        queue = topics.server_queue(record.id)
+        self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.CLIENT_QUEUE_LIMITS)
+        for client in range(record.num_clients):
+            self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(record.id, client))
+
     def _bind_new_edges(self, record: ExperimentRecord, before: dict[int, list[int]],
                         after: dict[int, list[int]]) -> None:
         for client, neighbours in after.items():
             for m in set(neighbours) - set(before[client]):
-                queue = topics.client_queue(record.id, client)
+                queue = topics.client_queue(record.id, client, host_of(client, record.workers))
                 self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.CLIENT_QUEUE_LIMITS)
                 self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(record.id, m))
 
@@ -292,7 +304,7 @@ class Coordinator:
     def _delete_queues(self, record: ExperimentRecord) -> None:
         for client in range(record.num_clients):
             try:
-                self.transport.delete_queue(topics.client_queue(record.id, client))
+                self.transport.delete_queue(topics.client_queue(record.id, client, host_of(client, record.workers)))
             except Exception as err:  # a queue that never existed, or a broker hiccup: harmless
                 log.debug("could not delete the queue of client %d: %s", client, err)
 

@@ -1,4 +1,5 @@
-"""Consume JSON documents from one queue: valid ones go to a handler, invalid ones to the dead-letter exchange."""
+"""Consume JSON documents from one queue: valid ones go to a handler; invalid ones, and ones not published by the
+principal they must come from (where the broker proves publishers: dfca.principals), to the dead-letter exchange."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from dfca.principals import PublisherCheck
 from dfca.runtime.messages import MessageInvalid
 from dfca.transport import Transport
 
@@ -17,9 +19,13 @@ class QueueConsumer:
     """Pull-style: call `poll` from one thread (or `run_forever` on a thread of its own)."""
 
     def __init__(self, transport: Transport, queue: str, decode: Callable[[bytes], Any],
-                 handle: Callable[[Any], None]) -> None:
+                 handle: Callable[[Any], None], principal: Callable[[Any], str]) -> None:
+        """`principal(document)`: the principal that may publish `document`."""
         self.transport, self.queue, self.decode, self.handle = transport, queue, decode, handle
+        self.principal = principal
+        self.publishers = PublisherCheck(transport.user)
         self.rejected = 0
+        self.forged = 0  # of the rejected: published by another principal than the document's own
         self.handled = 0
 
     def poll(self, timeout: float) -> int:
@@ -35,6 +41,13 @@ class QueueConsumer:
                 self.rejected += 1
                 log.warning("dead-lettering an invalid message from %s (%s): %s", self.queue, message.routing_key,
                             str(err)[:200])
+                self.transport.reject(message, requeue=False)
+                continue
+            if not self.publishers.allows(message.publisher, principal := self.principal(document)):
+                self.rejected += 1
+                self.forged += 1
+                log.warning("dead-lettering a %s from %s published by %r: only %s may publish it",
+                            type(document).__name__, self.queue, message.publisher, principal)
                 self.transport.reject(message, requeue=False)
                 continue
             try:

@@ -29,6 +29,7 @@ class RunInterrupted(Exception):
 class HostTransport(Transport):
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
+        self.user = inner.user
         self._pending_acks: list[Message] = []
         self._interrupted = threading.Event()
         self.lag_total = 0.0

@@ -1,5 +1,9 @@
 """What every service's HTTP side shares: /livez and /readyz, bearer-token auth, and a uvicorn runner.
 
+Tokens: mutating calls carry the API token (DFCA_API_TOKEN). Reads are open unless DFCA_READ_TOKEN is set;
+then every read but OPEN_PATHS carries the read token or the API token, as `Authorization: Bearer <token>`
+or, for a browser's EventSource (which cannot set headers), `?access_token=<token>`.
+
 `/livez` answers 200 while the process serves HTTP. `/readyz` answers 200 only when the broker
 accepts a connection (a fresh, short AMQP handshake) and the service's own check passes, else 503.
 `serve` returns after SIGTERM or Ctrl-C (uvicorn's handlers), so callers can shut down cleanly.
@@ -10,6 +14,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Callable
+from urllib.parse import unquote_plus
 
 import pika
 import pika.exceptions
@@ -18,6 +23,8 @@ from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dfca.settings import env
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +82,20 @@ def refusal(token: str | None) -> str:
 
 MAX_BODY_BYTES = 1 << 20  # a config is a few KB; nothing the API takes comes near this
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# Reads that stay open under a read token: probes, Prometheus, the API's description, the dashboard's page and
+# files (its data calls carry the token the user entered).
+OPEN_PATHS = frozenset({"/livez", "/readyz", "/metrics", "/openapi.json", "/docs", "/ui"})
+OPEN_PREFIXES = ("/ui/static/",)
+
+
+def read_allowed(read_token: str | None, api_token: str | None, path: str, authorization: str | None,
+                 query: str) -> bool:
+    """A read goes through: no read token configured, an open path, or the read or the API token given."""
+    if not read_token or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
+        return True
+    given = [authorization] + [f"Bearer {unquote_plus(v)}" for k, _, v in (p.partition("=") for p in query.split("&"))
+                               if k == "access_token"]
+    return any(token_matches(t, g) for t in (read_token, api_token) for g in given)
 
 
 class RequestGuard:
@@ -83,8 +104,9 @@ class RequestGuard:
     refused with 413, whether it declares its length or streams it in chunks."""
 
     def __init__(self, app: ASGIApp, token: str | None = None, check_token: bool = False,
-                 max_body: int = MAX_BODY_BYTES) -> None:
+                 max_body: int = MAX_BODY_BYTES, read_token: str | None = None) -> None:
         self.app, self.token, self.check_token, self.max_body = app, token, check_token, max_body
+        self.read_token = read_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -95,6 +117,12 @@ class RequestGuard:
                                                                                 headers.get("authorization")):
             await JSONResponse({"detail": refusal(self.token)}, 401,
                                headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
+        if scope["method"] not in MUTATING and not read_allowed(
+                self.read_token, self.token, scope["path"], headers.get("authorization"),
+                scope.get("query_string", b"").decode("latin-1")):
+            await JSONResponse({"detail": "missing or wrong bearer token: reads need DFCA_READ_TOKEN or the API "
+                                "token"}, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body:
@@ -138,7 +166,21 @@ def add_validation_errors(app: FastAPI) -> None:
         return JSONResponse({"detail": errors}, 422)
 
 
+def tls_files() -> tuple[str, str] | None:
+    """(certificate, key) from DFCA_TLS_CERT and DFCA_TLS_KEY: the service answers HTTPS only. Both or neither."""
+    cert, key = env("DFCA_TLS_CERT") or "", env("DFCA_TLS_KEY") or ""
+    if bool(cert) != bool(key):
+        raise ValueError("set both DFCA_TLS_CERT and DFCA_TLS_KEY (PEM files), or neither")
+    return (cert, key) if cert else None
+
+
+def server_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
+    """uvicorn's settings: HTTPS when `tls_files()` names a certificate and its key."""
+    tls = tls_files()
+    return uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="on",
+                          ssl_certfile=tls[0] if tls else None, ssl_keyfile=tls[1] if tls else None)
+
+
 def serve(app: FastAPI, host: str, port: int) -> None:
     """Run the app until SIGTERM/SIGINT; logs go through the root logger (see structured_logs)."""
-    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="on")
-    uvicorn.Server(config).run()
+    uvicorn.Server(server_config(app, host, port)).run()

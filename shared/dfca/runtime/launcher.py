@@ -27,6 +27,7 @@ from typing import IO
 
 import httpx
 
+from dfca.principals import worker
 from dfca.runtime.http_service import broker_reachable
 from dfca.settings import DEFAULT_PORTS
 
@@ -48,12 +49,23 @@ class StackOptions:
     aggregator_port: int | None = None  # None: no aggregator
     worker_port_base: int = 8090  # worker i serves health on worker_port_base + i
     api_token: str = ""
+    read_token: str = ""  # DFCA_READ_TOKEN: reads of both APIs need it (or the API token); empty: reads are open
     state_dir: Path = Path(".dfca")  # checkpoints/, metrics.db, logs/ (with log_to_files)
     metrics_db_url: str | None = None
     data_root: str | None = None
     log_level: str = "INFO"
     log_to_files: bool = False  # each service's log in state_dir/logs/<name>.log instead of this stderr
     restart: bool = True
+    broker_users: dict[str, str] | None = None  # principal -> its own AMQP URL (dfca.broker_users); None: broker_url
+
+    def broker_url_of(self, principal: str) -> str:
+        """The URL a process connects with: its principal's own user where the deployment has them."""
+        if self.broker_users is None:
+            return self.broker_url
+        if principal not in self.broker_users:
+            raise ValueError(f"the broker users have no {principal!r}: create them for at least {self.workers} "
+                             "workers (python -m dfca.broker_users create --workers N --out FILE)")
+        return self.broker_users[principal]
 
     @property
     def topology_url(self) -> str:
@@ -91,8 +103,9 @@ class ServiceProcess:
 def service_env(options: StackOptions, service: str, port: int, ordinal: int | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFCA_")}
     env.update({
-        "DFCA_BROKER_URL": options.broker_url,
+        "DFCA_BROKER_URL": options.broker_url_of(service if ordinal is None else worker(ordinal)),
         "DFCA_API_TOKEN": options.api_token,
+        "DFCA_READ_TOKEN": options.read_token,
         "DFCA_TOPOLOGY_URL": options.topology_url,
         "DFCA_METRICS_URL": options.metrics_url,
         "DFCA_METRICS_DB_URL": options.metrics_db_url or f"sqlite:///{(options.state_dir / 'metrics.db').resolve()}",

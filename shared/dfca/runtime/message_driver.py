@@ -8,6 +8,9 @@ It runs the simulator's algorithm objects (dfca.algorithms) unchanged and owns e
   the first arrival where the exchange `needs_arrival`), close it;
 - one decoder (dfca.wire.decode_message): routing key against headers, experiment, an exchange that the
   message's round has, payload names, shapes and values; a bad message is dead-lettered and counted;
+- the sender's host: the routing key must name the principal hosting the sender (client c on worker
+  c % workers, a central role on the aggregator) and, where the driver's own broker user is a principal's,
+  the broker-proven publisher must be that principal (dfca.principals), else `publisher` is counted;
 - dedupe: a message is used at most once per (receiver, sender, round, exchange, step, part);
 - order: a message of a later exchange is held (unacknowledged, each identity once) until its exchange opens;
   one more than MAX_ROUNDS_AHEAD rounds ahead of the receiver is rejected and counted (`future_round`),
@@ -39,7 +42,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dfca import topics
+from dfca import principals, topics
 from dfca.algorithms import Algorithm, Exchange, Inbox
 from dfca.algorithms.base import SERVER, Graph, check_finite, report_of
 from dfca.runtime.host_transport import RunInterrupted
@@ -88,14 +91,17 @@ class Delivery:
 
 class MessageDriver:
     def __init__(self, algorithm: Algorithm, experiment: str, transport: Transport,
-                 keep_going: Callable[[], bool] | None = None) -> None:
+                 keep_going: Callable[[], bool] | None = None, workers: int = 1) -> None:
+        """`workers`: how many workers share the experiment's clients (client c on worker c % workers)."""
         self.algorithm, self.transport, self.keep_going = algorithm, transport, keep_going
         self.experiment = topics.check_word(experiment, "experiment id")
         ctx = algorithm.ctx
         self.cfg, self.schedule, self.side = ctx.cfg, algorithm.schedule, algorithm.side
+        self.workers = workers
+        self.publishers = principals.PublisherCheck(transport.user)
         self.ids = list(ctx.clients)
         self.queues = ([topics.server_queue(experiment)] if self.side == "server"
-                       else [topics.client_queue(experiment, c) for c in self.ids])
+                       else [topics.client_queue(experiment, c, self.host_of(c)) for c in self.ids])
         self.model_dtype = torch.float16 if self.cfg.runtime.payload_dtype == "float16" else torch.float32
         self.round, self.index, self.rounds_done = -1, -1, 0
         self.exchanges: list[Exchange] = []
@@ -112,6 +118,10 @@ class MessageDriver:
         self.bytes_sent = 0  # payload bytes the hosted clients sent since `take_bytes_sent`, once per receiver
         self.opened_at, self.first_arrival = 0.0, None  # of the open exchange
         self._next_check = 0.0
+
+    def host_of(self, sender: int) -> str:
+        """The principal hosting `sender`."""
+        return principals.AGGREGATOR if sender == SERVER else principals.host_of(sender, self.workers)
 
     @property
     def neighbours(self) -> dict[int, list[int]]:
@@ -134,10 +144,8 @@ class MessageDriver:
                     self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, m))
             if "server" in links:
                 self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.server_binding(self.experiment))
-        if "server" in links:  # uploads wait in the server's queue until the aggregator is there
-            self.transport.declare_queue(topics.server_queue(self.experiment), topics.DEAD_LETTER_EXCHANGE,
-                                         topics.CLIENT_QUEUE_LIMITS)
-            self._bind_uploads(self.ids)
+        # The server's queue, where uploads wait until the central role has started, is the topology service's
+        # to declare at :start (Coordinator._declare_server_queue) and the central role's own.
 
     def _bind_uploads(self, clients: Any) -> None:
         queue = topics.server_queue(self.experiment)
@@ -216,8 +224,8 @@ class MessageDriver:
             envelope = Envelope(self.experiment, sender, self.round, ex.name, ex.step, part,
                                 {n: out.tensors[n][s][:rows] if spec[n].ragged else out.tensors[n][s] for n in spec})
             body, headers = encode_message(envelope, spec, self.model_dtype)
-            self.transport.publish(topics.MODELS_EXCHANGE, topics.model_key(self.experiment, sender, part), body,
-                                   headers)
+            key = topics.model_key(self.experiment, self.host_of(sender), sender, part)
+            self.transport.publish(topics.MODELS_EXCHANGE, key, body, headers)
             self.stats.published += 1
             if self.side == "clients":  # a client's traffic: the body once per receiver, as the simulator counts
                 receivers = 1 if ex.receiver == "server" else len(self.algorithm.ctx.graph.get(sender, ()))
@@ -274,6 +282,12 @@ class MessageDriver:
     # -- messages -------------------------------------------------------------------------------------------
     def handle(self, row: int, message: Message) -> None:
         """Check one message delivered to row `row`'s queue, then fold, hold, drop or reject it."""
+        if not self.from_senders_host(message):
+            self.stats.rejected["publisher"] += 1
+            log.warning("rejected message %s for %s: published by %r, not by its sender's host", message.routing_key,
+                        self.queues[row], message.publisher)
+            self.transport.reject(message, requeue=False)
+            return
         try:
             envelope = decode_message(message.routing_key, message.body, message.headers, self.experiment,
                                       self.spec_of)
@@ -289,6 +303,16 @@ class MessageDriver:
             self.transport.ack(message)
             return
         self._route(Delivery(row, message, envelope))
+
+    def from_senders_host(self, message: Message) -> bool:
+        """The routing key names the sender's host, and (where publishers are proven) the host published it. A
+        malformed key passes here: the decoder rejects it."""
+        try:
+            key = topics.parse_model_key(message.routing_key)
+        except ValueError:
+            return True
+        host = self.host_of(key.sender)
+        return key.host == host and self.publishers.allows(message.publisher, host)
 
     def _route(self, delivery: Delivery) -> None:
         row, envelope = delivery.row, delivery.envelope

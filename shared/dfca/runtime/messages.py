@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from dfca import principals
 from dfca.config import ExperimentConfig
 
 ExperimentStatus = Literal["created", "running", "stopping", "stopped", "completed", "failed"]
@@ -190,3 +191,19 @@ def decode_control(body: bytes) -> StartCommand | GoCommand | StopCommand | Topo
 
 def decode_event(body: bytes) -> RoundReport | WorkerEvent | ExperimentEvent | PresenceEvent | FinalModelsShare:
     return _decode(_event, body)  # type: ignore[no-any-return]
+
+
+def control_principal(_command: object) -> str:
+    """Control commands come from the topology service only."""
+    return principals.TOPOLOGY
+
+
+def event_principal(event: BaseModel) -> str:
+    """Who may publish `event`: a worker its own reports, events, presence and final models; the aggregator its
+    presence; the topology service the experiment's status."""
+    if isinstance(event, ExperimentEvent):
+        return principals.TOPOLOGY
+    if isinstance(event, PresenceEvent) and event.role == "aggregator":
+        return principals.AGGREGATOR
+    assert isinstance(event, RoundReport | WorkerEvent | FinalModelsShare | PresenceEvent)
+    return principals.worker(event.worker)

@@ -22,6 +22,7 @@ from dfca.runtime.client_runner import ClientRunner, RunSpec
 from dfca.runtime.event_consumer import QueueConsumer
 from dfca.runtime.experiments import HEARTBEAT_S
 from dfca.runtime.messages import (
+    TERMINAL_STATUSES,
     FinalModelsShare,
     GoCommand,
     PresenceEvent,
@@ -30,9 +31,11 @@ from dfca.runtime.messages import (
     StopCommand,
     TopologyChange,
     WorkerEvent,
+    control_principal,
     decode_control,
     encode,
 )
+from dfca.settings import service_auth
 from dfca.topics import ALL_EVENTS, worker_control_queue
 from dfca.transport import Transport
 from dfca.transport.broker_setup import ensure_broker_topology
@@ -70,7 +73,7 @@ class WorkerAgent:
         self.stopping = threading.Event()
         self.recovered = threading.Event()
         self.queue = worker_control_queue(deployment, ordinal)
-        self.consumer = QueueConsumer(self.transport, self.queue, decode_control, self.handle)
+        self.consumer = QueueConsumer(self.transport, self.queue, decode_control, self.handle, control_principal)
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -120,7 +123,9 @@ class WorkerAgent:
         with self.lock:
             if spec.experiment in self.runners or self.stopping.is_set():
                 return
-            runner = ClientRunner(spec, self.connect, self.emit, self.checkpoint_dir)
+            runner = ClientRunner(spec, self.connect, self.emit, self.checkpoint_dir,
+                                  over=(lambda: self._status(spec.experiment) in (*TERMINAL_STATUSES, "unknown"))
+                                  if self.topology_url else None)
             self.runners[spec.experiment] = runner
         log.info("experiment %s: hosting clients %s", spec.experiment, spec.clients,
                  extra={"experiment": spec.experiment, "worker": self.ordinal})
@@ -170,7 +175,8 @@ class WorkerAgent:
     def _status(self, experiment: str) -> str | None:
         """The experiment's status per the topology service; None when it cannot be asked."""
         try:
-            response = httpx.get(f"{self.topology_url}/experiments/{experiment}", timeout=5.0)
+            response = httpx.get(f"{self.topology_url}/experiments/{experiment}", timeout=5.0,
+                                 headers=service_auth())
         except httpx.HTTPError:
             return None
         if response.status_code == 404:
@@ -185,7 +191,7 @@ def running_specs(topology_url: str, deployment: str, ordinal: int, device: str 
                   algorithms: Collection[str] | None = None) -> list[RunSpec]:
     """The experiments the topology service says are running (of `algorithms`, when given), as run specs."""
     specs = []
-    with httpx.Client(base_url=topology_url, timeout=5.0) as client:
+    with httpx.Client(base_url=topology_url, timeout=5.0, headers=service_auth()) as client:
         for item in client.get("/experiments").raise_for_status().json():
             if item["status"] != "running":
                 continue

@@ -18,7 +18,9 @@ class TransportError(RuntimeError):
 
 @dataclass(frozen=True)
 class Message:
-    """One delivered message. `tag` identifies it for `ack`/`reject` on the same transport."""
+    """One delivered message. `tag` identifies it for `ack`/`reject` on the same transport. `publisher`: the
+    user its publisher connected as, proven by the broker (RabbitMQ refuses a `user_id` that is not the
+    connection's user); empty when the publisher did not say."""
 
     exchange: str
     routing_key: str
@@ -26,6 +28,7 @@ class Message:
     headers: Mapping[str, str] = field(default_factory=dict)
     tag: int = 0
     redelivered: bool = False
+    publisher: str = ""
 
 
 def topic_matches(binding_key: str, routing_key: str) -> bool:
@@ -82,7 +85,11 @@ class Transport(ABC):
     - A received message stays unacknowledged until `ack`; `reject(requeue=False)` sends it
       to the queue's dead-letter exchange; `reject(requeue=True)` redelivers it.
     - Fanout exchanges ignore the routing key.
+    - Every published message carries the transport's `user` as its publisher (`Message.publisher`), and
+      the broker refuses to let one user publish as another.
     """
+
+    user: str = ""  # the broker user this transport connected as
 
     @abstractmethod
     def declare_exchange(self, name: str, kind: str = "topic") -> None: ...

@@ -17,12 +17,15 @@ import argparse
 import base64
 import hashlib
 import json
+import logging
 import os
 import secrets
 from typing import Any
 
 from dfca import topics
-from dfca.transport.base import Transport
+from dfca.transport.base import Transport, TransportError
+
+log = logging.getLogger(__name__)
 
 VHOST = "dfca"
 USER = "dfca"
@@ -31,10 +34,18 @@ RABBITMQ_VERSION = "3.10.8"
 
 
 def ensure_broker_topology(transport: Transport) -> None:
-    for name, kind in topics.EXCHANGES.items():
-        transport.declare_exchange(name, kind)
-    transport.declare_queue(topics.DEAD_LETTER_QUEUE, limits=topics.DEAD_LETTER_LIMITS)
-    transport.bind(topics.DEAD_LETTER_QUEUE, topics.DEAD_LETTER_EXCHANGE, "")
+    """Declare dfca's exchanges and the dead-letter queue. A broker user that may not (403: a worker's, the
+    metrics service's or the aggregator's own user, see dfca.broker_users) uses what the broker has: the
+    topology service's user or the broker's definitions declared them; publishing checks they exist."""
+    try:
+        for name, kind in topics.EXCHANGES.items():
+            transport.declare_exchange(name, kind)
+        transport.declare_queue(topics.DEAD_LETTER_QUEUE, limits=topics.DEAD_LETTER_LIMITS)
+        transport.bind(topics.DEAD_LETTER_QUEUE, topics.DEAD_LETTER_EXCHANGE, "")
+    except TransportError as err:
+        if "403" not in str(err):
+            raise
+        log.info("broker user %r may not declare dfca's exchanges (%s): using the broker's", transport.user, err)
 
 
 def rabbitmq_password_hash(password: str, salt: bytes | None = None) -> str:

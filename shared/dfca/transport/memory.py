@@ -30,7 +30,8 @@ class InMemoryBroker:
         self.bindings: dict[str, set[tuple[str, str]]] = {}  # exchange -> {(queue, key)}
         self.tags = itertools.count(1)
 
-    def route(self, exchange: str, routing_key: str, body: bytes, headers: Mapping[str, str]) -> int:
+    def route(self, exchange: str, routing_key: str, body: bytes, headers: Mapping[str, str],
+              publisher: str = "") -> int:
         """Deliver to every matching queue; returns how many queues got the message. Holds the lock."""
         kind = self.exchanges.get(exchange)
         if kind is None:
@@ -43,7 +44,8 @@ class InMemoryBroker:
         }
         for q in targets:
             queue = self.queues[q]
-            queue.ready.append(Message(exchange, routing_key, bytes(body), dict(headers), tag=next(self.tags)))
+            queue.ready.append(Message(exchange, routing_key, bytes(body), dict(headers), tag=next(self.tags),
+                                       publisher=publisher))
             self._bound(queue)
         if targets:
             self.lock.notify_all()
@@ -60,14 +62,17 @@ class InMemoryBroker:
                                 sum(len(m.body) for m in queue.ready) > limits.max_bytes)):
             dropped = queue.ready.popleft()
             if queue.dead_letter_exchange in self.exchanges:
-                self.route(queue.dead_letter_exchange, dropped.routing_key, dropped.body, dropped.headers)
+                self.route(queue.dead_letter_exchange, dropped.routing_key, dropped.body, dropped.headers,
+                           dropped.publisher)
 
 
 class InMemoryTransport(Transport):
-    """One connection to an `InMemoryBroker`; several may share a broker across threads."""
+    """One connection to an `InMemoryBroker`; several may share a broker across threads. `user` stands for
+    the broker user: it is the publisher of every message this transport publishes."""
 
-    def __init__(self, broker: InMemoryBroker | None = None) -> None:
+    def __init__(self, broker: InMemoryBroker | None = None, user: str = "") -> None:
         self.broker = broker or InMemoryBroker()
+        self.user = user
         self.closed = False
         self._mine: dict[int, str] = {}  # unacked tag -> queue, for this connection
 
@@ -116,7 +121,7 @@ class InMemoryTransport(Transport):
     ) -> None:
         self._check()
         with self.broker.lock:
-            self.broker.route(exchange, routing_key, body, headers or {})
+            self.broker.route(exchange, routing_key, body, headers or {}, self.user)
 
     def receive(self, queue: str, timeout: float = 0.0) -> Message | None:
         self._check()
@@ -153,7 +158,7 @@ class InMemoryTransport(Transport):
                 q.ready.appendleft(replace(msg, redelivered=True))
                 self.broker.lock.notify_all()
             elif q.dead_letter_exchange and q.dead_letter_exchange in self.broker.exchanges:
-                self.broker.route(q.dead_letter_exchange, msg.routing_key, msg.body, msg.headers)
+                self.broker.route(q.dead_letter_exchange, msg.routing_key, msg.body, msg.headers, msg.publisher)
 
     def close(self) -> None:
         """Close the connection; its unacknowledged messages go back to their queues, as in AMQP."""

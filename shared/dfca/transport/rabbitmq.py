@@ -43,7 +43,8 @@ disagree, more than MAX_CHUNKS parts) is delivered as it is, with header `x-unre
 that its consumer rejects and counts it; nothing a message carries escapes into pika's callback.
 
 Headers. Header values are delivered as strings; broker-added tables such as `x-death` are not
-exposed (the string headers `x-first-death-*` are).
+exposed (the string headers `x-first-death-*` are). Every message is published with `user_id` set to the
+URL's user, which RabbitMQ validates; deliveries carry it as `Message.publisher`.
 """
 
 from __future__ import annotations
@@ -184,6 +185,7 @@ class _PartialMessage:
     parts: dict[int, bytes] = field(default_factory=dict)
     delivery_tags: list[int] = field(default_factory=list)
     redelivered: bool = False
+    publisher: str | None = None
 
 
 @dataclass
@@ -243,6 +245,7 @@ class RabbitMQTransport(Transport):
         self.name = name
         self.connections = 0  # connections opened so far: 1 unless it had to reconnect
         self._params = pika.URLParameters(url)
+        self.user = str(self._params.credentials.username)  # stamped as user_id: the broker proves it
         self._params.heartbeat = heartbeat
         self._params.connection_attempts = 1
         self._params.socket_timeout = 10
@@ -378,7 +381,7 @@ class RabbitMQTransport(Transport):
             _Publish(
                 exchange, routing_key, part,
                 pika.BasicProperties(
-                    delivery_mode=pika.DeliveryMode.Persistent,
+                    delivery_mode=pika.DeliveryMode.Persistent, user_id=self.user,
                     headers=chunk_headers(user_headers, chunk_id, i, len(parts)) if len(parts) > 1
                     else user_headers,
                 ),
@@ -889,7 +892,7 @@ class RabbitMQTransport(Transport):
         raw = properties.headers or {}
         if CHUNK_ID not in raw:
             self._deliver(consumer, method.exchange, method.routing_key, body, raw,
-                          (method.delivery_tag,), method.redelivered, None)
+                          (method.delivery_tag,), method.redelivered, None, properties.user_id)
             return
         chunk_id = str(raw[CHUNK_ID])
         if chunk_id in consumer.settled_chunk_ids:  # a duplicate part resent after a reconnect
@@ -899,6 +902,9 @@ class RabbitMQTransport(Transport):
         partial = consumer.partial.setdefault(chunk_id, _PartialMessage(count))
         if partial.count != count:
             raise ValueError(f"chunk {chunk_id}: {CHUNK_COUNT} {count} after {partial.count}")
+        if partial.parts and partial.publisher != properties.user_id:
+            raise ValueError(f"chunk {chunk_id}: parts from {partial.publisher!r} and {properties.user_id!r}")
+        partial.publisher = properties.user_id
         partial.parts.setdefault(index, body)
         partial.delivery_tags.append(method.delivery_tag)
         partial.redelivered |= bool(method.redelivered)
@@ -909,7 +915,7 @@ class RabbitMQTransport(Transport):
         del consumer.partial[chunk_id]
         whole = b"".join(partial.parts[i] for i in range(partial.count))
         self._deliver(consumer, method.exchange, method.routing_key, whole, raw,
-                      tuple(partial.delivery_tags), partial.redelivered, chunk_id)
+                      tuple(partial.delivery_tags), partial.redelivered, chunk_id, partial.publisher)
 
     def _hand_on_unreadable(self, consumer: _Consumer, channel: Channel, method: pika.spec.Basic.Deliver,
                             properties: pika.BasicProperties, body: bytes, err: Exception) -> None:
@@ -925,7 +931,7 @@ class RabbitMQTransport(Transport):
         raw[UNREADABLE_HEADER] = str(err)[:200]
         try:
             self._deliver(consumer, method.exchange, method.routing_key, body, raw, tuple(tags),
-                          bool(method.redelivered), None)
+                          bool(method.redelivered), None, properties.user_id)
             self._adjust_prefetch(consumer)
         except Exception:  # not even that: drop it to the dead-letter exchange here
             log.exception("%s: dead-lettering an unreadable delivery on %r", self.name, consumer.queue)
@@ -935,11 +941,11 @@ class RabbitMQTransport(Transport):
 
     def _deliver(
         self, consumer: _Consumer, exchange: str, routing_key: str, body: bytes, raw: Mapping[str, Any],
-        delivery_tags: tuple[int, ...], redelivered: bool, chunk_id: str | None,
+        delivery_tags: tuple[int, ...], redelivered: bool, chunk_id: str | None, publisher: str | None,
     ) -> None:
         tag = next(self._tags)
         message = Message(exchange, routing_key, body, delivered_headers(raw), tag=tag,
-                          redelivered=bool(redelivered))
+                          redelivered=bool(redelivered), publisher=str(publisher or ""))
         with self._lock:
             self._deliveries[tag] = _Delivery(consumer, consumer.generation, delivery_tags, chunk_id)
         consumer.buffer.put(message)

@@ -1,6 +1,7 @@
 // The dfca dashboard: plain JS and SVG, no dependencies. Two pages behind the URL hash: "#/" (experiments,
 // create) and "#/e/<id>" (curves, graph, workers, messages, start/stop). Curves follow the metrics service's
-// server-sent events; the API token is kept in sessionStorage and sent on every mutating call.
+// server-sent events; the API token is kept in sessionStorage and sent on every call (reads need it under
+// DFCA_READ_TOKEN).
 "use strict";
 
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d",
@@ -138,7 +139,8 @@ async function experimentPage(main, id) {
   }
 
   await refresh();
-  const events = new EventSource(`/experiments/${id}/events`);
+  // EventSource cannot send headers: under DFCA_READ_TOKEN the stream takes the token as a query parameter
+  const events = new EventSource(`/experiments/${id}/events` + (token() ? `?access_token=${encodeURIComponent(token())}` : ""));
   let pending = false;
   const onEvent = () => {
     if (pending || closed) return;

@@ -1,0 +1,211 @@
+"""Least privilege on the broker: one user per principal (dfca.broker_users), publishers proven by the broker.
+
+On a private RabbitMQ node the principals' users are made with `rabbitmqctl` exactly as
+`python -m dfca.broker_users create` makes them. With one worker's own credentials a compromised worker
+tries what issue 17 measured with the shared credentials: the broker refuses a model key claiming another
+worker's client, a control command, an experiment's status, a forged `user_id`, and any use of another
+worker's queues; what the broker cannot tell apart (a worker's event about another worker, a model of a
+client the key's host does not host) the receivers reject. A whole run on per-principal users completes with
+the honest result while the forger works and the broker restarts midway.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pika
+import pika.exceptions
+import pytest
+from rabbitmq_node import RabbitMQNode
+from runtime_fixtures import Api, rotated_mnist, running_stack, total_rounds
+
+from dfca import principals, topics
+from dfca.broker_users import (
+    definitions,
+    permissions_of,
+    principal_url,
+    principals_of,
+    rabbitmqctl_commands,
+    read_urls,
+    write_urls,
+)
+from dfca.runtime.messages import StopCommand, WorkerEvent, encode
+from dfca.transport import RabbitMQTransport, TransportError
+from dfca.transport.broker_setup import ensure_broker_topology
+
+WORKERS = 3
+
+
+def allowed(regex: str, name: str) -> bool:
+    """RabbitMQ matches permission regexes unanchored (ours anchor themselves)."""
+    return re.search(regex, name) is not None
+
+
+# -- the permissions, without a broker ----------------------------------------------------------------------
+def test_each_principal_may_touch_its_own_names_and_no_one_elses() -> None:
+    exp, dep = "e1x", "d0123456789"
+    w0, w1 = permissions_of("worker-0"), permissions_of("worker-1")
+    own_queues = [topics.client_queue(exp, 3, "worker-0"), topics.worker_control_queue(dep, 0)]
+    others = [topics.client_queue(exp, 4, "worker-1"), topics.worker_control_queue(dep, 1),
+              topics.server_queue(exp), topics.events_queue(dep, "topology"), topics.DEAD_LETTER_QUEUE]
+    for queue in own_queues:
+        assert all(allowed(r, queue) for r in (w0.configure, w0.write, w0.read)), queue
+    for queue in others:
+        assert not any(allowed(r, queue) for r in (w0.configure, w0.write, w0.read)), queue
+    for exchange in topics.EXCHANGES:  # no worker declares or deletes an exchange
+        assert not allowed(w0.configure, exchange)
+    assert not allowed(w0.write, topics.CONTROL_EXCHANGE) and allowed(w0.write, topics.MODELS_EXCHANGE)
+    models_write = w1.topics[topics.MODELS_EXCHANGE][0]
+    assert allowed(models_write, topics.model_key(exp, "worker-1", 4, 0))
+    assert not allowed(models_write, topics.model_key(exp, "worker-0", 3, 0))
+    assert not allowed(models_write, topics.model_key(exp, "aggregator", topics.SERVER_SENDER, 0))
+    events_write = w1.topics[topics.METRICS_EXCHANGE][0]
+    assert allowed(events_write, topics.metrics_key(exp, "round")) and allowed(events_write, topics.PRESENCE_KEY)
+    assert not allowed(events_write, topics.metrics_key(exp, "experiment"))
+    topology = permissions_of(principals.TOPOLOGY)
+    assert allowed(topology.write, topics.CONTROL_EXCHANGE) and not allowed(topology.write, topics.MODELS_EXCHANGE)
+    anyones = (topics.client_queue(exp, 4, "worker-1"), topics.server_queue(exp), topics.events_queue(dep, "topology"))
+    assert all(allowed(topology.configure, q) for q in anyones)
+    metrics = permissions_of(principals.METRICS)
+    assert not allowed(metrics.write, topics.METRICS_EXCHANGE) and allowed(metrics.read, topics.METRICS_EXCHANGE)
+    aggregator = permissions_of(principals.AGGREGATOR)
+    assert allowed(aggregator.topics[topics.MODELS_EXCHANGE][0],
+                   topics.model_key(exp, "aggregator", topics.SERVER_SENDER, 1))
+    assert not allowed(aggregator.topics[topics.MODELS_EXCHANGE][0], topics.model_key(exp, "worker-0", 3, 1))
+
+
+def test_definitions_carry_every_principal_with_hashes_only(tmp_path: Path) -> None:
+    passwords = {p: f"secret-{p}" for p in principals_of(2)}
+    document = definitions(passwords)
+    users = {u["name"] for u in document["users"]}
+    assert users == {"dfca", *(principals.user_of(p) for p in passwords)}
+    assert "secret-" not in json.dumps(document)
+    assert {t["user"] for t in document["topic_permissions"]} >= {"dfca-worker-0", "dfca-worker-1"}
+    urls = {p: principal_url(p, pw, "127.0.0.1", 5672) for p, pw in passwords.items()}
+    write_urls(tmp_path / "users.json", urls)
+    assert (tmp_path / "users.json").stat().st_mode & 0o077 == 0
+    assert read_urls(tmp_path / "users.json") == urls
+    (tmp_path / "bad.json").write_text('{"root": "amqp://x"}')
+    with pytest.raises(ValueError, match="must map principals"):
+        read_urls(tmp_path / "bad.json")
+
+
+# -- on a broker ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def principal_urls(private_rabbitmq: RabbitMQNode) -> dict[str, str]:
+    """The principals' users made on the private node as `python -m dfca.broker_users create` makes them."""
+    urls = {}
+    for principal in principals_of(WORKERS):
+        password = f"pw-{principal}-0123456789"
+        for command in rabbitmqctl_commands(principal, password):
+            done = private_rabbitmq.ctl(*command)
+            assert done.returncode == 0 or command[0] == "add_user", (command, done.stderr)
+        urls[principal] = principal_url(principal, password, "127.0.0.1", private_rabbitmq.port)
+    return urls
+
+
+@pytest.fixture
+def as_worker_1(principal_urls: dict[str, str]) -> Iterator[RabbitMQTransport]:
+    transport = RabbitMQTransport(principal_urls["worker-1"], publish_timeout=10, name="forger")
+    try:
+        yield transport
+    finally:
+        transport.close()
+
+
+pytestmark = [pytest.mark.rabbitmq]
+
+
+def test_the_broker_refuses_what_a_worker_may_not_do(principal_urls: dict[str, str],
+                                                     as_worker_1: RabbitMQTransport, unique_id: str) -> None:
+    with RabbitMQTransport(principal_urls["topology"], name="topology") as topology:
+        ensure_broker_topology(topology)  # the topology service's user declares exchanges and any client queue
+        theirs = topics.client_queue(unique_id, 0, "worker-0")
+        topology.declare_queue(theirs, topics.DEAD_LETTER_EXCHANGE, topics.CLIENT_QUEUE_LIMITS)
+        topology.bind(theirs, topics.MODELS_EXCHANGE, topics.neighbour_binding(unique_id, 1))
+    forger = as_worker_1
+    ensure_broker_topology(forger)  # refused (403) and tolerated: the exchanges are there
+    assert forger.user == "dfca-worker-1"
+
+    def refused(action: object, code: str = "403") -> None:
+        with pytest.raises(TransportError, match=code):
+            action()  # type: ignore[operator]
+
+    # a model whose routing key claims worker 0's client
+    refused(lambda: forger.publish(topics.MODELS_EXCHANGE, topics.model_key(unique_id, "worker-0", 0, 0), b"x"))
+    # a control command: only the topology service publishes on dfca.control
+    stop = encode(StopCommand(deployment="d0", experiment=unique_id))
+    refused(lambda: forger.publish(topics.CONTROL_EXCHANGE, topics.control_key(unique_id, "stop"), stop))
+    # an experiment's status
+    refused(lambda: forger.publish(topics.METRICS_EXCHANGE, topics.metrics_key(unique_id, "experiment"), b"{}"))
+    # another worker's queue: consume, delete, declare
+    refused(lambda: forger.receive(theirs, 1.0))
+    refused(lambda: forger.delete_queue(theirs))
+    refused(lambda: forger.declare_queue(topics.client_queue(unique_id, 3, "worker-0")))
+    refused(lambda: forger.declare_exchange("dfca.mine"))
+    # its own client's model is accepted, and arrives with the broker-proven publisher
+    forger.publish(topics.MODELS_EXCHANGE, topics.model_key(unique_id, "worker-1", 1, 0), b"mine")
+    with RabbitMQTransport(principal_urls["worker-0"], name="worker-0") as worker_0:
+        message = worker_0.receive(theirs, 10.0)
+        assert message is not None and message.body == b"mine" and message.publisher == "dfca-worker-1"
+        worker_0.ack(message)
+        worker_0.delete_queue(theirs)
+    # a user_id that is not the publisher's own: the broker closes the channel (406 PRECONDITION_FAILED)
+    connection = pika.BlockingConnection(pika.URLParameters(principal_urls["worker-1"]))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="user_id property set to 'dfca-topology'"):
+            channel.basic_publish(topics.MODELS_EXCHANGE, topics.model_key(unique_id, "worker-1", 1, 0), b"x",
+                                  pika.BasicProperties(user_id="dfca-topology"))
+    finally:
+        connection.close()
+
+
+def test_a_run_on_per_principal_users_ignores_a_compromised_worker_and_survives_a_broker_restart(
+        private_rabbitmq: RabbitMQNode, principal_urls: dict[str, str], as_worker_1: RabbitMQTransport,
+        tmp_path: Path) -> None:
+    """One 3-worker run, every process its own broker user, reads behind a read token: worker 1's credentials
+    forge a stop, a `finished` event for worker 0 and models of worker 0's client; then the broker restarts
+    (its users and permissions persist). The run completes with the honest result and no process restarted."""
+    with running_stack(tmp_path, private_rabbitmq.url, workers=WORKERS, broker_users=principal_urls,
+                       read_token="reader") as stack:
+        api = Api.of(stack)  # it sends the API token, which reads too
+        assert httpx.get(f"{stack.options.topology_url}/experiments").status_code == 401  # reads need a token
+        cfg = rotated_mnist(name="least-privilege", rounds=8)
+        experiment = api.create_and_start(cfg)
+        api.wait_round(experiment, 1)
+        deployment = topics.deployment_tag(stack.options.topology_url)
+        forger = as_worker_1
+        with pytest.raises(TransportError, match="403"):  # a forged stop never reaches a worker
+            forger.publish(topics.CONTROL_EXCHANGE, topics.control_key(experiment, "stop"),
+                           encode(StopCommand(deployment=deployment, experiment=experiment)))
+        # worker 0 "finished" and a model "from" worker 0's client 0: the broker lets worker 1 publish them
+        # under its own name; topology, metrics and the clients see who published them and reject them
+        finished = WorkerEvent(deployment=deployment, experiment=experiment, worker=0, incarnation="forged",
+                               state="finished", round=total_rounds(cfg))
+        forger.publish(topics.METRICS_EXCHANGE, topics.metrics_key(experiment, "worker"), encode(finished))
+        for part in range(2):
+            forger.publish(topics.MODELS_EXCHANGE, topics.model_key(experiment, "worker-1", 0, part), b"forged")
+
+        api.wait_round(experiment, 3)
+        private_rabbitmq.stop()
+        during = api.experiment(experiment)  # REST works without the broker
+        assert during["status"] == "running" and during["round"] < total_rounds(cfg), "the outage must fall in the run"
+        time.sleep(3)  # a real outage: reconnect attempts fail for a while
+        private_rabbitmq.start()
+
+        final = api.wait_finished(experiment, timeout=300)
+        assert final["status"] == "completed" and final["failed_clients"] == [], final
+        assert min(int(w["incarnations"]) for w in final["worker_states"].values()) == 1  # no process restarted
+        summary = api.summary(experiment)
+        assert summary["clients"] == 24 and summary["rounds_completed"] == total_rounds(cfg)
+        assert summary["cluster_ari"] >= 0.95 and summary["test_accuracy"] >= 0.85, summary
+        assert summary["messages"]["rejected"].get("publisher", 0) >= 1, summary["messages"]
+        for name in ("topology", "metrics"):
+            assert "only worker-0 may publish it" in (tmp_path / "logs" / f"{name}.log").read_text(), name
