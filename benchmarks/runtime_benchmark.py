@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +71,25 @@ def simulator_round_seconds(cfg: dict[str, Any], repeats: int = 2) -> tuple[floa
     return best, accuracy
 
 
-def runtime_round_seconds(cfg: dict[str, Any], broker: str, state_dir: Path) -> tuple[float, float]:
+def runtime_round_seconds(cfg: dict[str, Any], broker: str, state_dir: Path,
+                          broker_users: dict[str, str] | None = None,
+                          during: Callable[[str], Callable[[], None]] | None = None) -> tuple[float, float]:
+    """(steady-state seconds per round, final accuracy) of one runtime run; `broker_users`: each process its own
+    broker user; `during(experiment)` starts something alongside the run and returns how to stop it."""
+    summary, reports = runtime_run(cfg, broker, state_dir, broker_users, during)
+    done_at: dict[int, float] = {}
+    for report in reports:  # a round is done when its last worker reports it
+        done_at[report.round] = max(done_at.get(report.round, 0.0), report.at)
+    rounds = sorted(done_at)
+    return (done_at[rounds[-1]] - done_at[rounds[0]]) / (len(rounds) - 1), summary["test_accuracy"]
+
+
+def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
+                during: Callable[[str], Callable[[], None]] | None = None) -> tuple[dict[str, Any], list[Any]]:
+    """One run on a fresh 3-worker stack: (the metrics service's summary, the stored round reports)."""
     options = StackOptions(workers=3, broker_url=broker, topology_port=free_port(), metrics_port=free_port(),
                            worker_port_base=free_port_block(3), api_token=TOKEN, state_dir=state_dir, log_to_files=True,
-                           log_level="WARNING")
+                           log_level="WARNING", broker_users=broker_users)
     stack = Stack(options)
     stop = threading.Event()
     stack.start()
@@ -84,22 +100,23 @@ def runtime_round_seconds(cfg: dict[str, Any], broker: str, state_dir: Path) -> 
                            timeout=30)
         experiment = api.post("/experiments", json=cfg).raise_for_status().json()["id"]
         api.post(f"/experiments/{experiment}:start").raise_for_status()
-        deadline = time.monotonic() + 900
-        while api.get(f"/experiments/{experiment}").json()["status"] == "running":
-            if time.monotonic() > deadline:
-                raise TimeoutError("the runtime run did not finish")
-            time.sleep(0.5)
+        halt = during(experiment) if during is not None else (lambda: None)
+        try:
+            deadline = time.monotonic() + 900
+            while api.get(f"/experiments/{experiment}").json()["status"] == "running":
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the runtime run did not finish")
+                time.sleep(0.5)
+        finally:
+            halt()
         time.sleep(1.0)
-        summary = httpx.get(f"{options.metrics_url}/experiments/{experiment}/summary", timeout=30).json()
+        summary = httpx.get(f"{options.metrics_url}/experiments/{experiment}/summary", timeout=30,
+                            headers={"Authorization": f"Bearer {TOKEN}"}).json()
         reports = MetricsStore(f"sqlite:///{(state_dir / 'metrics.db').resolve()}").reports(experiment)
     finally:
         stop.set()
         stack.stop()
-    done_at: dict[int, float] = {}
-    for report in reports:  # a round is done when its last worker reports it
-        done_at[report.round] = max(done_at.get(report.round, 0.0), report.at)
-    rounds = sorted(done_at)
-    return (done_at[rounds[-1]] - done_at[rounds[0]]) / (len(rounds) - 1), summary["test_accuracy"]
+    return summary, reports
 
 
 def free_port() -> int:

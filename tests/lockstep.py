@@ -24,12 +24,13 @@ Graph = Mapping[int, Sequence[int]]
 
 
 def client_driver(cfg: ExperimentConfig, experiment: str, clients: Sequence[int], data: FederatedData, graph: Graph,
-                  transport: Transport, device: str = "cpu") -> MessageDriver:
-    """A driver of `clients` (data: their shards) over `transport`, its queues set up."""
+                  transport: Transport, device: str = "cpu", workers: int = 1) -> MessageDriver:
+    """A driver of `clients` (data: their shards) over `transport`, its queues set up; `workers`: client c is
+    hosted by worker c % workers (its routing keys and queue names say so)."""
     model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, device)
     ctx = HostContext(cfg, model, data.to(device), list(clients), {c: list(m) for c, m in graph.items()},
                       torch.device(device))
-    driver = MessageDriver(clients_of(ctx), experiment, transport)
+    driver = MessageDriver(clients_of(ctx), experiment, transport, workers=workers)
     driver.setup()
     return driver
 

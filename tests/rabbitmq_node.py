@@ -16,6 +16,7 @@ The server scripts are run directly from /usr/lib/rabbitmq/bin (not the Debian w
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -26,6 +27,7 @@ import subprocess
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 BROKER_DIR = REPO / "broker"
@@ -65,9 +67,11 @@ def node_config(source: str, definitions: Path) -> str:
 class RabbitMQNode:
     """One private RabbitMQ node; `start`, `stop` and `restart` keep its data (durable queues survive)."""
 
-    def __init__(self, base_dir: Path, bin_dir: Path, extra_config: str = "") -> None:
+    def __init__(self, base_dir: Path, bin_dir: Path, extra_config: str = "",
+                 definitions: dict[str, Any] | None = None) -> None:
         self.base_dir = base_dir
         self.bin_dir = bin_dir
+        self.definitions = definitions  # loaded at boot instead of broker/definitions.json
         self.extra_config = extra_config  # rabbitmq.conf lines added to broker/rabbitmq.conf's (e.g. a TLS listener)
         self.name = f"dfca-test-{secrets.token_hex(4)}@localhost"
         self.port = free_port()
@@ -77,11 +81,12 @@ class RabbitMQNode:
         self._prepare()
 
     @classmethod
-    def start_new(cls, base_dir: Path, extra_config: str = "") -> RabbitMQNode:
+    def start_new(cls, base_dir: Path, extra_config: str = "",
+                  definitions: dict[str, Any] | None = None) -> RabbitMQNode:
         bin_dir = server_bin_dir()
         if bin_dir is None:
             raise RabbitMQNodeError("RabbitMQ is not installed (run scripts/install_rabbitmq.sh)")
-        node = cls(base_dir, bin_dir, extra_config)
+        node = cls(base_dir, bin_dir, extra_config, definitions)
         node.start()
         return node
 
@@ -97,7 +102,10 @@ class RabbitMQNode:
         cookie.write_text(secrets.token_hex(16).upper())
         cookie.chmod(0o400)
         definitions = self.base_dir / "definitions.json"
-        shutil.copyfile(BROKER_DIR / "definitions.json", definitions)
+        if self.definitions is None:
+            shutil.copyfile(BROKER_DIR / "definitions.json", definitions)
+        else:
+            definitions.write_text(json.dumps(self.definitions))
         config = node_config((BROKER_DIR / "rabbitmq.conf").read_text(), definitions)
         (self.base_dir / "rabbitmq.conf").write_text(config + self.extra_config)
         (self.base_dir / "enabled_plugins").write_text("[].\n")

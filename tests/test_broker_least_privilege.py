@@ -1,7 +1,8 @@
 """Least privilege on the broker: one user per principal (dfca.broker_users), publishers proven by the broker.
 
-On a private RabbitMQ node the principals' users are made with `rabbitmqctl` exactly as
-`python -m dfca.broker_users create` makes them. With one worker's own credentials a compromised worker
+A private RabbitMQ node boots with the principals' users from `dfca.broker_users.definitions` (as a
+Compose broker does); one of them is re-passworded with the `rabbitmqctl` commands of
+`python -m dfca.broker_users create`. With one worker's own credentials a compromised worker
 tries what issue 17 measured with the shared credentials: the broker refuses a model key claiming another
 worker's client, a control command, an experiment's status, a forged `user_id`, and any use of another
 worker's queues; what the broker cannot tell apart (a worker's event about another worker, a model of a
@@ -21,7 +22,7 @@ import httpx
 import pika
 import pika.exceptions
 import pytest
-from rabbitmq_node import RabbitMQNode
+from rabbitmq_node import RabbitMQNode, RabbitMQNodeError, server_bin_dir
 from runtime_fixtures import Api, rotated_mnist, running_stack, total_rounds
 
 from dfca import principals, topics
@@ -34,7 +35,9 @@ from dfca.broker_users import (
     read_urls,
     write_urls,
 )
+from dfca.runtime.message_driver import BLOCK_AFTER_INVALID
 from dfca.runtime.messages import StopCommand, WorkerEvent, encode
+from dfca.runtime.sharding import clients_of
 from dfca.transport import RabbitMQTransport, TransportError
 from dfca.transport.broker_setup import ensure_broker_topology
 
@@ -97,16 +100,30 @@ def test_definitions_carry_every_principal_with_hashes_only(tmp_path: Path) -> N
 
 # -- on a broker ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def principal_urls(private_rabbitmq: RabbitMQNode) -> dict[str, str]:
-    """The principals' users made on the private node as `python -m dfca.broker_users create` makes them."""
-    urls = {}
-    for principal in principals_of(WORKERS):
-        password = f"pw-{principal}-0123456789"
-        for command in rabbitmqctl_commands(principal, password):
-            done = private_rabbitmq.ctl(*command)
+def principal_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RabbitMQNode, dict[str, str]]]:
+    """A private node that boots with the services' and workers 0-1's users from `definitions` (as Compose's broker
+    does); worker 2's user is made with the `rabbitmqctl` commands `python -m dfca.broker_users create` runs. (Not
+    one of the definitions' users: a broker that loads definitions at boot resets their passwords on a restart.)"""
+    if server_bin_dir() is None:
+        pytest.fail("RabbitMQ is not installed (scripts/install_rabbitmq.sh)")
+    passwords = {p: f"pw-{p}-0123456789" for p in principals_of(WORKERS - 1)}
+    try:
+        node = RabbitMQNode.start_new(tmp_path_factory.mktemp("principals"), definitions=definitions(passwords))
+    except RabbitMQNodeError as err:
+        pytest.fail(str(err))
+    try:
+        passwords["worker-2"] = "made-by-rabbitmqctl"
+        for command in rabbitmqctl_commands("worker-2", passwords["worker-2"]):
+            done = node.ctl(*command)
             assert done.returncode == 0 or command[0] == "add_user", (command, done.stderr)
-        urls[principal] = principal_url(principal, password, "127.0.0.1", private_rabbitmq.port)
-    return urls
+        yield node, {p: principal_url(p, pw, "127.0.0.1", node.port) for p, pw in passwords.items()}
+    finally:
+        node.stop()
+
+
+@pytest.fixture(scope="module")
+def principal_urls(principal_node: tuple[RabbitMQNode, dict[str, str]]) -> dict[str, str]:
+    return principal_node[1]
 
 
 @pytest.fixture
@@ -168,11 +185,12 @@ def test_the_broker_refuses_what_a_worker_may_not_do(principal_urls: dict[str, s
 
 
 def test_a_run_on_per_principal_users_ignores_a_compromised_worker_and_survives_a_broker_restart(
-        private_rabbitmq: RabbitMQNode, principal_urls: dict[str, str], as_worker_1: RabbitMQTransport,
-        tmp_path: Path) -> None:
+        principal_node: tuple[RabbitMQNode, dict[str, str]], as_worker_1: RabbitMQTransport, tmp_path: Path) -> None:
     """One 3-worker run, every process its own broker user, reads behind a read token: worker 1's credentials
-    forge a stop, a `finished` event for worker 0 and models of worker 0's client; then the broker restarts
-    (its users and permissions persist). The run completes with the honest result and no process restarted."""
+    forge a stop, a `finished` event for worker 0 and models of worker 0's client, and flood junk under worker 1's
+    own clients; then the broker restarts (its users and permissions persist). The run completes with the honest
+    result and no process restarted."""
+    private_rabbitmq, principal_urls = principal_node
     with running_stack(tmp_path, private_rabbitmq.url, workers=WORKERS, broker_users=principal_urls,
                        read_token="reader") as stack:
         api = Api.of(stack)  # it sends the API token, which reads too
@@ -192,6 +210,11 @@ def test_a_run_on_per_principal_users_ignores_a_compromised_worker_and_survives_
         forger.publish(topics.METRICS_EXCHANGE, topics.metrics_key(experiment, "worker"), encode(finished))
         for part in range(2):
             forger.publish(topics.MODELS_EXCHANGE, topics.model_key(experiment, "worker-1", 0, part), b"forged")
+        # a junk flood under worker 1's own clients' keys: the broker lets it through, the receivers see who sent
+        # it and cut those clients off after BLOCK_AFTER_INVALID malformed messages each
+        for _ in range(2 * BLOCK_AFTER_INVALID):
+            for client in clients_of(1, WORKERS, 24):
+                forger.publish(topics.MODELS_EXCHANGE, topics.model_key(experiment, "worker-1", client, 0), b"junk")
 
         api.wait_round(experiment, 3)
         private_rabbitmq.stop()
@@ -207,5 +230,6 @@ def test_a_run_on_per_principal_users_ignores_a_compromised_worker_and_survives_
         assert summary["clients"] == 24 and summary["rounds_completed"] == total_rounds(cfg)
         assert summary["cluster_ari"] >= 0.95 and summary["test_accuracy"] >= 0.85, summary
         assert summary["messages"]["rejected"].get("publisher", 0) >= 1, summary["messages"]
+        assert summary["messages"]["blocked"] >= 1, summary["messages"]  # the flooded clients were cut off
         for name in ("topology", "metrics"):
             assert "only worker-0 may publish it" in (tmp_path / "logs" / f"{name}.log").read_text(), name

@@ -186,7 +186,7 @@ def test_the_servers_ragged_models_are_checked_on_the_wire() -> None:
 
     def roundtrip(t: torch.Tensor) -> Envelope:
         body, headers = encode_message(Envelope("e", -1, 0, "download", 0, 0, {"m": t}), spec)
-        return decode_message("e.server.0", body, headers, "e", lambda head: spec)
+        return decode_message("e.aggregator.server.0", body, headers, "e", lambda head: spec)
 
     assert roundtrip(torch.ones(2, 3)).tensors["m"].shape == (2, 3)
     for bad in (torch.ones(5, 3), torch.ones(2, 4), torch.ones(0, 3)):

@@ -156,6 +156,66 @@ def receiver_and_peer(cfg: ExperimentConfig, broker: InMemoryBroker) -> tuple[Me
     return a, row, peer, shapes, {n: TensorSpec(s) for n, s in shapes.items()}
 
 
+@pytest.mark.parametrize("proven", [True, False], ids=["per-principal users", "shared user"])
+def test_a_proven_sender_flooding_junk_is_cut_off_and_no_longer_waited_for(proven: bool) -> None:
+    """Worker 1's credentials flood junk under its own client's key: worker 0's driver, which sees the broker-proven
+    publisher, unbinds that client from its queues and stops waiting for it. Under a shared broker user nobody can
+    tell who sent the junk (a forger could frame an honest client), so nobody is cut off."""
+    cfg = small_config(dfca={"variant": "paper"})
+    broker = InMemoryBroker()
+    ctx = prepare(cfg)
+    graph = neighbours(ctx.graph)
+    ours = list(range(0, ctx.data.num_clients, 2))  # worker 0 of 2
+    a = client_driver(cfg, "robust", ours, ctx.data.subset(ours), graph,
+                      InMemoryTransport(broker, user="dfca-worker-0" if proven else "dfca"), workers=2)
+    peer = next(m for c in ours for m in a.neighbours[c] if m % 2 == 1)
+    forger = InMemoryTransport(broker, user="dfca-worker-1" if proven else "dfca")
+    flood = message_driver.BLOCK_AFTER_INVALID + 5
+    for _ in range(flood):
+        forger.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", "worker-1", peer, 0), b"junk", {})
+    a.begin_round(0)
+    a.start_exchange(0)
+    rows = [r for r, c in enumerate(a.ids) if peer in a.neighbours[c]]
+    for r in rows:
+        while (msg := a.transport.receive(a.queues[r], 0.0)) is not None:
+            a.handle(r, msg)
+    assert a.stats.rejected["bad_header"] == flood * len(rows)
+    assert (peer in a.blocked, a.stats.blocked) == ((True, 1) if proven else (False, 0))
+    assert all((peer in a.waiting[r]) != proven for r in rows)
+    forger.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", "worker-1", peer, 0), b"more junk", {})
+    delivered = [a.transport.receive(a.queues[r], 0.0) for r in rows]
+    assert all((m is None) == proven for m in delivered)  # cut off: the broker routes nothing more to us
+
+
+def test_a_message_redelivered_after_a_restart_is_a_duplicate_not_merged_again(tmp_path: Any) -> None:
+    """A worker checkpoints round 0 and crashes before its acks: the broker redelivers what it had folded. With
+    `staleness: merge` a round-0 model arriving in round 1 would be merged again; the checkpoint carries the
+    dedupe set, so the restarted driver counts it as a duplicate."""
+    cfg = small_config(dfca={"variant": "paper"}, runtime={"staleness": "merge"})
+    ctx = prepare(cfg)
+    graph = neighbours(ctx.graph)
+    groups = [list(range(0, 10, 2)), list(range(1, 10, 2))]
+    broker = InMemoryBroker()
+    a, b = (client_driver(cfg, "robust", g, ctx.data.subset(g), graph, InMemoryTransport(broker)) for g in groups)
+    lockstep_round(LockstepRun([a, b], None), 0)
+    a.save_checkpoint(tmp_path / "a.safetensors")
+    again_broker = InMemoryBroker()
+    again = client_driver(cfg, "robust", groups[0], ctx.data.subset(groups[0]), graph, InMemoryTransport(again_broker))
+    assert again.load_checkpoint(tmp_path / "a.safetensors") == 0
+    row, client = next((r, c) for r, c in enumerate(again.ids) if any(m in groups[1] for m in again.neighbours[c]))
+    peer = next(m for m in again.neighbours[client] if m in groups[1])
+    part = int(b.algorithm.assigned[b.ids.index(peer)])  # what the peer sent in round 0
+    shapes = again.algorithm.ctx.model.shapes()
+    redelivered = Envelope("robust", peer, 0, "models", 0, part, {n: torch.zeros(s) for n, s in shapes.items()})
+    InMemoryTransport(again_broker).publish(topics.MODELS_EXCHANGE, topics.model_key("robust", W0, peer, part),
+                                            *encode_message(redelivered, {n: TensorSpec(s) for n, s in shapes.items()}))
+    again.begin_round(1)
+    again.start_exchange(0)
+    while (msg := again.transport.receive(again.queues[row], 0.0)) is not None:
+        again.handle(row, msg)
+    assert (again.stats.duplicates, again.stats.stale_merged) == (1, 0)
+
+
 def test_a_message_of_an_exchange_its_round_does_not_have_is_rejected() -> None:
     cfg = small_config(dfca={"variant": "paper"})
     broker = InMemoryBroker()

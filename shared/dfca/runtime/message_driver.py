@@ -11,6 +11,9 @@ It runs the simulator's algorithm objects (dfca.algorithms) unchanged and owns e
 - the sender's host: the routing key must name the principal hosting the sender (client c on worker
   c % workers, a central role on the aggregator) and, where the driver's own broker user is a principal's,
   the broker-proven publisher must be that principal (dfca.principals), else `publisher` is counted;
+- cut-off: where publishers are proven, a sender whose host sent BLOCK_AFTER_INVALID malformed messages under its
+  key in one round (a flood of junk) is unbound from every hosted queue for the rest of the run and no longer
+  waited for (`blocked`): the broker stops delivering what it sends;
 - dedupe: a message is used at most once per (receiver, sender, round, exchange, step, part);
 - order: a message of a later exchange is held (unacknowledged, each identity once) until its exchange opens;
   one more than MAX_ROUNDS_AHEAD rounds ahead of the receiver is rejected and counted (`future_round`),
@@ -22,7 +25,8 @@ It runs the simulator's algorithm objects (dfca.algorithms) unchanged and owns e
   and `runtime.staleness` is merge, else dropped;
 - liveness (runtime.liveness): a client that missed its messages in consecutive rounds is presumed dead and
   not waited for, until a message of the round before or later comes from it again;
-- checkpoints: the algorithm's state, with the round and the hosted ids, as safetensors, written atomically.
+- checkpoints: the algorithm's state, with the round, the hosted ids and the dedupe set of the last round (so a
+  message redelivered after a crash is a duplicate, not merged twice), as safetensors, written atomically.
   Acknowledgements are the transport's business: a worker's HostTransport defers them until the
   checkpoint that covers them is on disk.
 """
@@ -60,6 +64,9 @@ log = logging.getLogger(__name__)
 MAX_ROUNDS_AHEAD = 20
 
 KEEP_GOING_EVERY_S = 0.25  # how often a waiting driver asks whether to go on
+# Malformed messages from one proven sender in one round after which it is cut off. An honest client sends a few
+# valid messages per round and never a malformed one; a flood sends thousands.
+BLOCK_AFTER_INVALID = 20
 Identity = tuple[int, int, int, str, int, int]  # receiver, sender, round, exchange, step, part
 
 
@@ -73,6 +80,7 @@ class DriverStats:
     stale_merged: int = 0
     not_neighbour: int = 0
     timeouts: int = 0  # exchanges closed by their deadline
+    blocked: int = 0  # senders cut off for flooding malformed messages
     rejected: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -113,6 +121,8 @@ class MessageDriver:
         self.missed: set[int] = set()  # senders that missed an exchange of this round
         self.dead: set[int] = set()  # presumed dead at the start of this round
         self.sightings: dict[int, int] = {}  # sender -> the latest round heard from it
+        self.invalid: Counter[int] = Counter()  # sender -> malformed messages under its key this round
+        self.blocked: set[int] = set()  # senders cut off: unbound from every hosted queue
         self.liveness = NeighbourLiveness()
         self.stats = DriverStats()
         self.bytes_sent = 0  # payload bytes the hosted clients sent since `take_bytes_sent`, once per receiver
@@ -159,7 +169,7 @@ class MessageDriver:
                 old, new = set(self.algorithm.ctx.graph.get(client, ())), set(graph.get(client, ()))
                 for m in old - new:
                     self.transport.unbind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, m))
-                for m in new - old:
+                for m in new - old - self.blocked:
                     self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, m))
         self.algorithm.set_graph({int(c): [int(m) for m in ms] for c, ms in graph.items()})
 
@@ -168,8 +178,8 @@ class MessageDriver:
         if ex.sender == "server":
             return {SERVER}
         if self.side == "server":
-            return set(range(self.cfg.data.clients))
-        return set(self.algorithm.ctx.graph.get(self.ids[row], ()))
+            return set(range(self.cfg.data.clients)) - self.blocked
+        return set(self.algorithm.ctx.graph.get(self.ids[row], ())) - self.blocked
 
     # -- a round --------------------------------------------------------------------------------------------
     def run_round(self, t: int, timeout: float) -> bool:
@@ -185,6 +195,7 @@ class MessageDriver:
 
     def begin_round(self, t: int) -> None:
         self.round, self.index, self.missed = t, -1, set()
+        self.invalid.clear()
         revived = self.liveness.revive(self.sightings, t - 1)
         if revived:
             log.info("round %d: %s heard from again", t, revived)
@@ -295,6 +306,7 @@ class MessageDriver:
             self.stats.rejected[err.reason] += 1
             log.warning("rejected message %s for %s: %s", message.routing_key, self.queues[row], err)
             self.transport.reject(message, requeue=False)  # to the dead-letter exchange
+            self._count_invalid(message)
             return
         self.sightings[envelope.sender] = max(envelope.round, self.sightings.get(envelope.sender, envelope.round))
         _, ex = self.exchange_of(envelope)
@@ -303,6 +315,32 @@ class MessageDriver:
             self.transport.ack(message)
             return
         self._route(Delivery(row, message, envelope))
+
+    def _count_invalid(self, message: Message) -> None:
+        """A malformed message whose sender's host is proven counts against that sender; past BLOCK_AFTER_INVALID
+        in one round the sender is cut off. (Without proven publishers anyone could frame an honest client.)"""
+        if not self.publishers.strict:
+            return
+        try:
+            sender = topics.parse_model_key(message.routing_key).sender
+        except ValueError:
+            return
+        if sender == SERVER or sender in self.blocked:
+            return
+        self.invalid[sender] += 1
+        if self.invalid[sender] >= BLOCK_AFTER_INVALID:
+            self.block(sender)
+
+    def block(self, sender: int) -> None:
+        """Cut `sender` off: unbind its keys from every hosted queue and stop waiting for it."""
+        self.blocked.add(sender)
+        self.stats.blocked += 1
+        for queue in self.queues:
+            self.transport.unbind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, sender))
+        for waiting in self.waiting:
+            waiting.pop(sender, None)
+        log.warning("round %d: client %d (host %s) sent %d malformed messages: cut off for the rest of the run",
+                    self.round, sender, self.host_of(sender), self.invalid[sender])
 
     def from_senders_host(self, message: Message) -> bool:
         """The routing key names the sender's host, and (where publishers are proven) the host published it. A
@@ -404,7 +442,10 @@ class MessageDriver:
         """The hosted rows' state after the last round, as safetensors; written atomically."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {n: v.detach().to("cpu").contiguous() for n, v in self.algorithm.state().items()}
-        meta = {"round": str(self.round), "experiment": self.experiment, "clients": json.dumps(self.ids)}
+        # the identities used in the last round: a message folded before this checkpoint but not yet acked comes
+        # back after a crash, and must be a duplicate then, not a late message merged a second time
+        meta = {"round": str(self.round), "experiment": self.experiment, "clients": json.dumps(self.ids),
+                "seen": json.dumps(sorted(self.seen))}
         tmp = path.with_suffix(".tmp")
         save_file(tensors, str(tmp), metadata=meta)
         tmp.replace(path)
@@ -416,6 +457,8 @@ class MessageDriver:
         if meta.get("experiment") != self.experiment or json.loads(meta["clients"]) != self.ids:
             raise ValueError(f"checkpoint {path} belongs to another experiment or client set")
         self.algorithm.load_state(load_file(str(path)))
+        self.seen = {(int(r), int(sd), int(t), str(x), int(st), int(pt)) for r, sd, t, x, st, pt in
+                     json.loads(meta.get("seen", "[]"))}
         self.round = int(meta["round"])
         self.rounds_done = self.round + 1
         return self.round

@@ -31,7 +31,7 @@ from dfca.runtime.metrics_store import MetricsStore, StoredExperiment, StoredRep
 from dfca.simulator import build_summary, last_rounds_means
 
 COUNTED_STATS = ("published", "applied", "ignored", "duplicates", "stale_dropped", "stale_merged", "not_neighbour",
-                 "timeouts")
+                 "timeouts", "blocked")
 
 
 def latest_by_round(reports: Iterable[StoredReport]) -> dict[int, dict[int, StoredReport]]:
