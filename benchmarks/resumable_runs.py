@@ -27,7 +27,7 @@ def run_pending(todo: list[Run], one_run: Callable[[Run], Run], results: Path, p
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results.parent.mkdir(parents=True, exist_ok=True)
     finished = []
-    with Pool(processes) as pool, results.open("a") as log:
+    with Pool(processes, initializer=one_thread) as pool, results.open("a") as log:
         for i, result in enumerate(pool.imap_unordered(one_run, todo), 1):
             log.write(json.dumps(result) + "\n")
             log.flush()
@@ -37,6 +37,14 @@ def run_pending(todo: list[Run], one_run: Callable[[Run], Run], results: Path, p
             elif i % 50 == 0:
                 print(f"  {i}/{len(todo)}", flush=True)
     return finished
+
+
+def one_thread() -> None:
+    """A pool worker computes on one thread: forked after torch was imported, it would keep the parent's thread count
+    (OMP_NUM_THREADS is read once), and two processes of two threads each on two cores ran 5-30x slower here."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def commit() -> str:

@@ -5,8 +5,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q -e ".[test]"
+py=python3
+if [ -z "${VIRTUAL_ENV:-}" ] && python3 -c 'import pathlib, sys, sysconfig
+sys.exit(0 if (pathlib.Path(sysconfig.get_path("stdlib")) / "EXTERNALLY-MANAGED").exists() else 1)'; then
+  # Debian/Ubuntu's own Python refuses pip installs (PEP 668): use scripts/demo.sh's virtual environment
+  venv=${DFCA_VENV:-.venv}
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  py="$venv/bin/python"
+  export PATH="$PWD/$venv/bin:$PATH"
+  if ! "$py" -c "import torch" 2>/dev/null; then  # torch's CPU build, as scripts/demo.sh installs it
+    "$py" -m pip install -q --timeout 20 --retries 1 torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+      || "$py" -m pip install -q torch==2.13.0
+  fi
+fi
+"$py" -m pip install -q torch==2.13.0
+"$py" -m pip install -q -e ".[test]"
 bash scripts/install_rabbitmq.sh
 bash scripts/start_rabbitmq.sh
 missing=()
@@ -18,6 +31,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   timeout 900 apt-get update -q >/dev/null
   timeout 900 apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
 fi
-python3 -m ruff check shared services tests benchmarks scripts
+"$py" -m ruff check shared services tests benchmarks scripts
 # --durations: the slowest tests are named in every log (a test that hangs fails at pyproject's per-test timeout)
-python3 -m pytest -q -p no:cacheprovider --durations=15 "$@"
+"$py" -m pytest -q -p no:cacheprovider --durations=15 "$@"

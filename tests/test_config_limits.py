@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lockstep import run_lockstep
 
 import dfca.algorithms.dfca
 from dfca.algorithms.base import RunDiverged
 from dfca.config import MAX_SEED, ConfigError, parse_config
 from dfca.graph import neighbours
 from dfca.run_size import RunTooLarge
+from dfca.runtime.lockstep import run_lockstep
 from dfca.simulator import prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport
 

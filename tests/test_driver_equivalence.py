@@ -8,7 +8,6 @@ from typing import Any, get_args
 
 import pytest
 import torch
-from lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
 
 from dfca import topics
 from dfca.algorithms import CLIENTS
@@ -16,6 +15,7 @@ from dfca.config import KMEANS_ALGORITHMS, SERVER_CLUSTERING, ExperimentConfig
 from dfca.evaluation import cluster_ari, populated_clusters
 from dfca.graph import neighbours
 from dfca.runtime.experiments import RUNTIME_ALGORITHMS
+from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
 from dfca.schedule import RoundSchedule
 from dfca.simulator import Simulation, prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport, RabbitMQTransport
@@ -148,6 +148,22 @@ def test_seeding_drivers_match_the_simulator(init: str, aggregation: str, hosts:
     run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), hosts)
     for d in run.drivers:
         assert not d.stats.rejected and d.stats.timeouts == 0 and d.algorithm.seeds is None  # type: ignore[attr-defined]
+        assert_rows_match(d.algorithm.params, sim.algorithm.params, d.ids)
+
+
+@pytest.mark.parametrize("trim", [0.0, 0.25])
+def test_screened_gossip_drivers_match_the_simulator(trim: float) -> None:
+    """`dfca.screen` (core.screened_gossip): the simulator and three message drivers screen the same arrivals and end
+    at the same models (the drivers get them one message at a time, the simulator all at once)."""
+    cfg = small_config(rounds=3, dfca={"flood_rounds": 2, "seed_epochs": 2, "warmup_rounds": 1,
+                                       "warmup_gossip_steps": 3, "gossip_steps": 2, "screen": True,
+                                       "screen_radius": 1.5, "screen_trim": trim})
+    ctx = prepare(cfg)
+    sim = simulate(cfg, data=ctx.data)
+    run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 3)
+    assert sim.summary["screened"] > 0  # a tight radius: some honest estimates are dropped, on both drivers alike
+    assert sum(d.stats.screened for d in run.drivers) == sim.summary["screened"]
+    for d in run.drivers:
         assert_rows_match(d.algorithm.params, sim.algorithm.params, d.ids)
 
 

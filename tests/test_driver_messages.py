@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from lockstep import LockstepRun, client_driver, lockstep_round
 from test_driver_equivalence import small_config
 
 from dfca import topics
 from dfca.config import ExperimentConfig
 from dfca.graph import neighbours
 from dfca.runtime import message_driver
+from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round
 from dfca.runtime.message_driver import MessageDriver
 from dfca.schedule import RoundSchedule
 from dfca.simulator import prepare, simulate

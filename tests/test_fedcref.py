@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from lockstep import run_lockstep
 
 from dfca.algorithms import HostContext, clients_of
 from dfca.config import ConfigError, parse_config
@@ -16,6 +15,7 @@ from dfca.core import autoencoder as ae
 from dfca.core.cluster_refinement import agreement, communities, dirty_labels, merged_communities, reconstructs, refine
 from dfca.data import build_federated_data
 from dfca.graph import neighbours
+from dfca.runtime.lockstep import run_lockstep
 from dfca.simulator import prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport
 

@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
 from sklearn.cluster import KMeans
 
 from dfca import topics
 from dfca.config import ConfigError, ExperimentConfig, parse_config
 from dfca.core.kmeans import Neighbours, gtv_update, kmeans_plus_plus, set_distance
 from dfca.graph import neighbours
+from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
 from dfca.simulator import prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport
 from dfca.wire import Envelope, TensorSpec, encode_message

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lockstep import run_lockstep
 from test_driver_equivalence import config_for, small_config, transport_factory
 
 from dfca.graph import neighbours
 from dfca.runtime.final_models import FinalModelsInvalid, decode_sums, encode_sums, merge_sums
+from dfca.runtime.lockstep import run_lockstep
 from dfca.simulator import prepare, simulate
 
 

@@ -5,10 +5,10 @@ the encoded bodies it publishes; the simulator counts the tensors it would send;
 from __future__ import annotations
 
 import pytest
-from lockstep import run_lockstep
 from test_driver_equivalence import config_for, small_config, transport_factory
 
 from dfca.graph import neighbours
+from dfca.runtime.lockstep import run_lockstep
 from dfca.schedule import RoundSchedule
 from dfca.simulator import prepare, simulate
 

@@ -40,7 +40,7 @@ from dfca.runtime.messages import (
 )
 from dfca.runtime.metrics_store import MetricsStore
 from dfca.runtime.prometheus_export import RuntimeCollector
-from dfca.runtime.run_summary import history, summary_of
+from dfca.runtime.run_summary import final_evaluation, history, summary_of
 from dfca.runtime.structured_logs import configure_logging
 from dfca.settings import ServiceSettings
 from dfca.topics import ALL_EVENTS, dead_letter_tap_queue, deployment_tag, events_queue
@@ -155,6 +155,13 @@ def create_app(store: MetricsStore, broker_url: str, collector: MetricsCollector
     def summary(experiment: str) -> dict[str, Any]:
         experiment_or_404(experiment)
         return summary_of(store, experiment)
+
+    @app.get("/experiments/{experiment}/clients")
+    def clients(experiment: str) -> dict[str, Any]:
+        """Every client's latest evaluation, by client: its assigned and true cluster, test accuracy and train loss
+        (and the algorithm's per-client extras), so that a subset (honest clients, one region) can be scored."""
+        experiment_or_404(experiment)
+        return {"id": experiment, **final_evaluation(store.reports(experiment), set())}
 
     @app.get("/experiments/{experiment}/metrics")
     def metrics(experiment: str) -> dict[str, Any]:

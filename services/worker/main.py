@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from dfca.attacks import Attack
 from dfca.runtime.http_service import add_health_routes, serve
 from dfca.runtime.structured_logs import configure_logging
 from dfca.runtime.worker_agent import WorkerAgent
@@ -45,8 +46,10 @@ def main() -> None:
     def connect(prefetch: int) -> Transport:
         return connect_transport(settings.broker_url, prefetch=prefetch, name=f"dfca-worker-{ordinal}")
 
+    forge = Attack.parse(settings.forge) if settings.forge else None
     agent = WorkerAgent(deployment_tag(settings.topology_url), ordinal, settings.workers, connect,
-                        Path(settings.checkpoint_dir), settings.topology_url, settings.data_root, settings.device)
+                        Path(settings.checkpoint_dir), settings.topology_url, settings.data_root, settings.device,
+                        forge)
     agent.start()
     log.info("worker %d of %d up", ordinal, settings.workers)
     try:

@@ -123,6 +123,27 @@ class DFCAConfig(Strict):
     untrained_weight: float = Field(
         0.0, ge=0.0, le=1.0, description="robust: weight of a cluster copy its client did not train this round"
     )
+    screen: bool = Field(
+        False,
+        description="robust: screened gossip against lying neighbours (core.screened_gossip): weights held to what "
+        "an honest client can send, estimates far from the receiver's model of last round or (for its own cluster) "
+        "much worse on its own data dropped; costs a copy of the models and a loss per arrival",
+    )
+    screen_radius: float = Field(
+        3.0, gt=0.0, le=1000.0,
+        description="screen: drop an estimate farther from last round's model than this many times the distance "
+        "the receiver's own training moved its model this round",
+    )
+    screen_trim: float = Field(
+        0.0, ge=0.0, lt=0.5,
+        description="screen: each gossip step's estimate is the coordinate-wise mean of the kept estimates with this "
+        "fraction cut from each end (W-MSR; about 3x the gossip's cost); 0: their weighted mean, as ratio consensus",
+    )
+    screen_loss: float = Field(
+        0.5, ge=0.0, le=100.0,
+        description="screen: drop an estimate of the receiver's own cluster whose loss on its data exceeds "
+        "max((1 + screen_loss) x, x + screen_loss), x the loss of its model of last round, or chance (ln classes)",
+    )
     seeding: Literal["none", "farthest"] | None = Field(
         None,
         description="farthest: before training, agree on k seed models by farthest-first max-flooding "

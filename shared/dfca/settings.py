@@ -26,6 +26,8 @@ ENV_VARS: dict[str, str] = {
     "DFCA_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR",
     "DFCA_TLS_CERT": "PEM certificate (chain) a service's HTTP server presents: it answers HTTPS only",
     "DFCA_TLS_KEY": "PEM private key of DFCA_TLS_CERT",
+    "DFCA_FORGE": "robustness experiments only: this worker forges what its clients send, e.g. "
+                  "'seed=relay,gossip=zeros' (dfca.attacks); never set in a real deployment",
 }
 
 DEFAULT_BROKER_URL = "amqp://dfca:dfca@127.0.0.1:5672/dfca"
@@ -60,6 +62,7 @@ class ServiceSettings:
     data_root: str | None
     device: str | None
     log_level: str
+    forge: str | None = None
 
     @classmethod
     def from_env(cls, service: str) -> ServiceSettings:
@@ -78,4 +81,5 @@ class ServiceSettings:
             data_root=env("DFCA_DATA_ROOT"),
             device=env("DFCA_DEVICE") or None,
             log_level=env("DFCA_LOG_LEVEL", "INFO") or "INFO",
+            forge=env("DFCA_FORGE") or None,
         )

@@ -278,6 +278,8 @@ def simulate(
     summary["device"] = str(sim.ctx.device)
     summary["bytes_sent_per_client_per_round"] = sim.total_bytes / max(sim.rounds_run, 1)  # evaluated or not
     summary.update(sim.run_metrics(final))
+    summary["refused"] = dict(sim.algorithm.refused)  # arrivals the algorithm would not use, by reason
+    summary["screened"] = sim.algorithm.screened  # gossip (arrival, cluster) pairs dropped by screening
     summary.update(last_rounds_means(history))
     models = (sim.server or sim.algorithm).final_models()
     return RunResult(history, summary, models, final.assigned.cpu(), sim.ctx.graph, sim, watch.warnings)

@@ -19,6 +19,7 @@ is a cluster index (0 where there is one model); its tensors are checked against
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -149,6 +150,8 @@ class Algorithm(ABC):
     def __init__(self, ctx: HostContext) -> None:
         self.ctx = ctx
         self.schedule = RoundSchedule(ctx.cfg)
+        self.refused: Counter[str] = Counter()  # arrivals `receive` would not use, by reason (both drivers count them)
+        self.screened = 0  # (arrival, cluster) pairs screened gossip dropped (core.screened_gossip)
 
     @abstractmethod
     def exchanges(self, t: int) -> list[Exchange]:

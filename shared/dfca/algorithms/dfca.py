@@ -23,6 +23,7 @@ Robust DFCA (`dfca.variant: robust`, the default; README "Cluster recovery"):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import networkx as nx
@@ -44,7 +45,8 @@ from dfca.algorithms.base import (
 )
 from dfca.core import assign_clusters, fold_models, init_cluster_models, round_seeds, self_weights, train_assigned
 from dfca.core.consensus import StepConsensus, WalkConsensus, consensus_weights, source_weights
-from dfca.core.seeding import SeedCandidates, first_slot_scores, fit_scores
+from dfca.core.screened_gossip import Screen, displacement
+from dfca.core.seeding import SeedCandidates, first_slot_scores, fit_scores, refused_candidates, responds_to_input
 from dfca.models import Params
 from dfca.wire import TensorSpec
 
@@ -89,18 +91,44 @@ class DFCA(Algorithm):
         cfg = self.ctx.cfg
         d = self.data()
         self.assigned = assign_clusters(self.losses)  # eq. 4
+        agreeing = self.schedule.agrees_on_initial_models(t)
+        screening = cfg.dfca.screen and self.schedule.gossip_steps(t) > 0 and not agreeing
+        anchor = {n: v.clone() for n, v in self.params.items()} if screening else None
         train_assigned(  # eq. 5
             self.ctx.model, self.params, self.assigned, d.x_train, d.y_train, lr=self.schedule.lr(t),
             epochs=self.schedule.epochs(t), batch_size=cfg.train.batch_size,
             seeds=round_seeds(cfg.seed, self.ctx.clients, t),
         )
         if self.schedule.gossip_steps(t):
-            m = (source_weights(cfg.seed, cfg.data.clients, self.k, self.ctx.rows)
-                 if self.schedule.agrees_on_initial_models(t)
+            m = (source_weights(cfg.seed, cfg.data.clients, self.k, self.ctx.rows) if agreeing
                  else consensus_weights(self.assigned, self.k, cfg.dfca.untrained_weight))
-            self.consensus = WalkConsensus(m) if self.ctx.whole else StepConsensus(self.params, m)
+            if anchor is not None:
+                self.consensus = StepConsensus(self.params, m, self.screen(anchor))
+            else:
+                self.consensus = WalkConsensus(m) if self.ctx.whole else StepConsensus(self.params, m)
         else:
             self.weight = self_weights(self.assigned, self.k, cfg.dfca.merge_rule)
+
+    def screen(self, anchor: Params) -> Screen:
+        """What this round's gossip screens arrivals against (core.screened_gossip): last round's models, the
+        distance this round's training moved each client's own, and the loss test on its own data."""
+        d = self.ctx.cfg.dfca
+        radius = d.screen_radius * displacement(self.params, anchor, self.assigned).clamp_min(1e-6)
+        return Screen(anchor, radius.to(self.ctx.device), self.assigned, 1 + (self.k - 1) * d.untrained_weight,
+                      self.fits_own_data, d.screen_trim)
+
+    def fits_own_data(self, rows: Tensor, estimates: Params) -> Tensor:
+        """[P] bool: each estimate of row `rows[p]`'s own cluster is not much worse on that row's training data than
+        its model of last round (loss x): at most max((1 + screen_loss) x, x + screen_loss), and below chance
+        (ln classes)."""
+        d, tol = self.data(), self.ctx.cfg.dfca.screen_loss
+        x, y = d.x_train.index_select(0, rows), d.y_train.index_select(0, rows)
+        logits = self.ctx.model.logits(estimates, x)
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
+        before = self.losses[rows, self.assigned[rows]]
+        limit = torch.minimum(torch.maximum((1 + tol) * before, before + tol),
+                              torch.full_like(before, math.log(d.num_classes)))
+        return loss <= limit
 
     def local_models(self, t: int) -> Params:
         """phi_i, the seeding's local model: client i's copy of cluster 0 after `seed_epochs` epochs on D_i."""
@@ -134,12 +162,22 @@ class DFCA(Algorithm):
             seeding = self.schedule.seeding(inbox.round)
             if seeding is None or seeding.slot != self.seeds.slot:
                 return 0  # a late candidate of a slot that has closed
-            self.seeds.offer(inbox.delivered, inbox.tensors["score"], inbox.tensors["origin"], inbox.tensors)
-            return int(inbox.delivered.sum())
+            score, origin = inbox.tensors["score"], inbox.tensors["origin"]
+            refused = refused_candidates(score, origin, seeding.slot, self.ctx.cfg.seed, self.ctx.cfg.data.clients)
+            self.refused["seed_score"] += int((inbox.delivered & refused).any(0).sum())
+            delivered = inbox.delivered & ~refused.unsqueeze(0)
+            check = self.candidate_check
+            self.refused["seed_model"] += self.seeds.offer(delivered, score, origin, inbox.tensors, check)
+            return int(delivered.sum())
         if ex.name == "gossip":
             assert self.consensus is not None
             return self.consensus.receive(inbox.delivered, inbox.tensors)
         return fold_models(self.params, self.weight, inbox.delivered, inbox.part, inbox.tensors)  # eq. 7/8
+
+    def candidate_check(self, rows: Tensor, candidates: Params) -> Tensor:
+        """[R] bool: the candidate each row would keep is a finite model whose output depends on that row's inputs."""
+        x = self.data().x_train.index_select(0, rows)
+        return responds_to_input(self.ctx.model.logits({n: v.to(x.device) for n, v in candidates.items()}, x))
 
     def end_exchange(self, ex: Exchange) -> None:
         if ex.name == "gossip":
@@ -156,6 +194,8 @@ class DFCA(Algorithm):
                 self.seeds = None  # the local models are no longer needed
         elif self.consensus is not None:
             self.consensus.finish(self.params)
+            if isinstance(self.consensus, StepConsensus):
+                self.screened += self.consensus.dropped
             self.consensus = None
         self.losses = self.losses_of(self.params)
 

@@ -18,10 +18,13 @@ Two forms of the same state, one per kind of driver:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
 
 from dfca.core.params import cluster_views
+from dfca.core.screened_gossip import Screen, screened_mix
 from dfca.models import Params
 
 MIN_WEIGHT = 1e-3  # den below this: no trained copy has reached the client (keep its own model)
@@ -106,23 +109,32 @@ class WalkConsensus:
 
 
 class StepConsensus:
-    """The hosted clients' num = m theta and den = m, mixed step by step from the messages that arrive."""
+    """The hosted clients' num = m theta and den = m, mixed step by step from the messages that arrive.
 
-    def __init__(self, params: Params, trained: Tensor) -> None:
+    With a `screen` (`dfca.screen`, core.screened_gossip) the arrivals of a step are kept until it ends, then
+    screened and mixed; without, they are summed as they arrive."""
+
+    def __init__(self, params: Params, trained: Tensor, screen: Screen | None = None) -> None:
         self.num = {n: v * _trailing(trained, v) for n, v in params.items()}  # [M, k, ...]
         self.den = trained.clone()  # [M, k]
+        self.screen = screen
+        self.dropped = 0  # informative (arrival, cluster) pairs the screen dropped, over the round
         self._clear()
 
     def _clear(self) -> None:
         self.num_sum = {n: torch.zeros_like(v) for n, v in self.num.items()}
         self.den_sum = torch.zeros_like(self.den)
         self.degree = torch.zeros(self.den.shape[0], device=self.den.device)
+        self.arrivals: list[tuple[Tensor, dict[str, Tensor], Tensor]] = []
 
     def outgoing(self) -> dict[str, Tensor]:
         return {**{f"num.{n}": v for n, v in self.num.items()}, "den": self.den}
 
-    def receive(self, delivered: Tensor, tensors: dict[str, Tensor]) -> int:
+    def receive(self, delivered: Tensor, tensors: Mapping[str, Tensor]) -> int:
         """delivered [M, S]: row i got message s, whose (num, den) are tensors['num.<p>'] and tensors['den']."""
+        if self.screen is not None:
+            self.arrivals.append((delivered, {n: tensors[f"num.{n}"] for n in self.num}, tensors["den"]))
+            return int(delivered.sum())
         rows = delivered.any(1).nonzero().squeeze(1)  # only they change: one message touches one row
         a = delivered[rows].float()
         for n, v in self.num_sum.items():
@@ -133,7 +145,16 @@ class StepConsensus:
         return int(delivered.sum())
 
     def step(self) -> None:
-        """(own + sum of arrived) / (1 + arrivals): one gossip step of P."""
+        """(own + sum of arrived) / (1 + arrivals): one gossip step of P (screened, with a `screen`)."""
+        if self.screen is not None:
+            if self.arrivals:
+                delivered = torch.cat([d for d, _, _ in self.arrivals], dim=1)
+                nums = {n: torch.cat([a[n] for _, a, _ in self.arrivals]) for n in self.num}
+                dens = torch.cat([d for _, _, d in self.arrivals])
+                self.num, self.den, dropped = screened_mix(self.num, self.den, delivered, nums, dens, self.screen)
+                self.dropped += dropped
+            self._clear()
+            return
         scale = self.degree + 1
         self.num = {n: (v + self.num_sum[n]) / _trailing(scale, v) for n, v in self.num.items()}
         self.den = (self.den + self.den_sum) / _trailing(scale, self.den)

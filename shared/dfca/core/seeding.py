@@ -26,7 +26,7 @@ training. Lost or late messages only slow the flood; the max does not depend on 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -46,6 +46,29 @@ def first_slot_scores(seed: int, clients: Sequence[int]) -> Tensor:
 def fit_scores(losses: Tensor, slot: int) -> Tensor:
     """Slot s >= 1: each client's loss under the seed that fits it best so far, [M, k] -> [M]."""
     return losses[:, :slot].min(dim=1).values.to(torch.float64)
+
+
+def refused_candidates(score: Tensor, origin: Tensor, slot: int, seed: int, num_clients: int) -> Tensor:
+    """[S] bool: the arrived candidates no receiver may keep, whatever their model.
+
+    A score must be finite and not negative, the origin a client of the run; in slot 0 the score is the
+    origin's seeded draw, which every receiver recomputes (an inflated one is a lie, not a far client).
+    Later slots' scores (a loss on the origin's data) cannot be checked by anyone else: their candidates
+    are only checked to be models at all (`responds_to_input`)."""
+    bad = ~torch.isfinite(score) | (score < 0) | (origin < 0) | (origin >= num_clients)
+    if slot == 0 and bool((~bad).any()):
+        ok = (~bad).nonzero().squeeze(1)
+        drawn = first_slot_scores(seed, origin[ok].tolist()).to(score.device)
+        bad[ok] = score[ok].to(torch.float64) != drawn
+    return bad
+
+
+def responds_to_input(logits: Tensor) -> Tensor:
+    """[S] bool from logits [S, B, C]: the candidate's logits are finite and not the same for every input (as an
+    all-zero model's are). A model whose output ignores its input cannot seed a cluster."""
+    finite = torch.isfinite(logits).flatten(1).all(1)
+    spread = (logits - logits[:, :1]).abs().flatten(1).amax(1)
+    return finite & (spread > 1e-6)
 
 
 def beats(score: Tensor, origin: Tensor, best_score: Tensor, best_origin: Tensor) -> Tensor:
@@ -104,15 +127,32 @@ class SeedCandidates:
         chosen = [self.model(o) for o in self.origin.tolist()]
         return {n: torch.stack([c[n] for c in chosen]) for n in self.local}
 
-    def offer(self, delivered: Tensor, score: Tensor, origin: Tensor, models: Mapping[str, Tensor]) -> None:
-        """Arrived candidates: each client keeps the best of its own and the ones delivered to it."""
-        best = best_arrivals(score, origin, delivered)
-        rows = (best >= 0).nonzero().squeeze(1)
-        if rows.numel() == 0:
-            return
-        pick = best[rows]
-        better = beats(score[pick], origin[pick], self.score[rows], self.origin[rows])
-        rows, pick = rows[better], pick[better]
+    def offer(self, delivered: Tensor, score: Tensor, origin: Tensor, models: Mapping[str, Tensor],
+              check: Callable[[Tensor, Params], Tensor] | None = None) -> int:
+        """Arrived candidates: each client keeps the best of its own and the ones delivered to it.
+
+        `check(rows, candidate models [R, ...])` -> [R] bool: whether each row may keep the candidate it
+        likes best; a refused one is dropped for that row and its next best considered. Returns the
+        number of (row, candidate) pairs refused."""
+        delivered = delivered.clone()
+        refused = 0
+        while True:
+            best = best_arrivals(score, origin, delivered)
+            rows = (best >= 0).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                return refused
+            pick = best[rows]
+            better = beats(score[pick], origin[pick], self.score[rows], self.origin[rows])
+            rows, pick = rows[better], pick[better]
+            if rows.numel() == 0:
+                return refused
+            if check is not None:
+                ok = check(rows, {n: models[n].index_select(0, pick) for n in self.local})
+                if not bool(ok.all()):
+                    delivered[rows[~ok], pick[~ok]] = False
+                    refused += int((~ok).sum())
+                    continue
+            break
         self.score[rows], self.origin[rows] = score[pick], origin[pick]
         for s in pick.tolist():
             o = int(origin[s])
@@ -120,6 +160,7 @@ class SeedCandidates:
                 self.arrived[o] = {n: models[n][s].clone() for n in self.local}
         held = set(self.origin.tolist())
         self.arrived = {o: m for o, m in self.arrived.items() if o in held}
+        return refused
 
     def install(self, params: Params, slot: int) -> None:
         """After a slot's last round: each client's candidate becomes its model of cluster `slot`."""

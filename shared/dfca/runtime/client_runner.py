@@ -28,10 +28,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
-from dfca.algorithms import HostContext, clients_of
+from dfca.algorithms import Algorithm, HostContext, clients_of
+from dfca.attacks import Attack, Forger
 from dfca.config import ExperimentConfig
 from dfca.data import FederatedData, build_federated_data
 from dfca.devices import worker_device
@@ -112,9 +114,12 @@ class ClientRunner:
         checkpoint_dir: Path,
         data: FederatedData | None = None,
         over: Callable[[], bool] | None = None,
+        forge: Attack | None = None,
     ) -> None:
-        """`over()`: the topology service says the experiment has ended (asked every OVER_CHECK_S while waiting)."""
+        """`over()`: the topology service says the experiment has ended (asked every OVER_CHECK_S while waiting);
+        `forge`: robustness experiments only, the clients' messages are forged (dfca.attacks)."""
         self.spec = spec
+        self.forge = forge
         self.over = over
         self._next_over_check = 0.0
         self._ended_without_us = False
@@ -227,8 +232,12 @@ class ClientRunner:
                 return
             model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, self.device)
             ctx = HostContext(cfg, model, data, spec.clients, self._graph, self.device)
-            driver = MessageDriver(clients_of(ctx), spec.experiment, transport, self._keep_going,
-                                   workers=spec.workers)
+            algorithm = clients_of(ctx)
+            if self.forge is not None:
+                log.warning("experiment %s: worker %d FORGES its clients' messages (%s)", spec.experiment,
+                            spec.ordinal, self.forge.label)
+                algorithm = cast(Algorithm, Forger(algorithm, self.forge, cfg.seed))
+            driver = MessageDriver(algorithm, spec.experiment, transport, self._keep_going, workers=spec.workers)
             self.driver = driver
             driver.setup()
             next_round = 0

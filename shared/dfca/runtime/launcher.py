@@ -57,6 +57,7 @@ class StackOptions:
     log_to_files: bool = False  # each service's log in state_dir/logs/<name>.log instead of this stderr
     restart: bool = True
     broker_users: dict[str, str] | None = None  # principal -> its own AMQP URL (dfca.broker_users); None: broker_url
+    forge: dict[int, str] = field(default_factory=dict)  # worker ordinal -> DFCA_FORGE (robustness experiments only)
 
     def broker_url_of(self, principal: str) -> str:
         """The URL a process connects with: its principal's own user where the deployment has them."""
@@ -119,6 +120,8 @@ def service_env(options: StackOptions, service: str, port: int, ordinal: int | N
         env["DFCA_DATA_ROOT"] = options.data_root
     if ordinal is not None:
         env["DFCA_WORKER_ORDINAL"] = str(ordinal)
+        if ordinal in options.forge:
+            env["DFCA_FORGE"] = options.forge[ordinal]
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // options.workers))
     return env
 

@@ -80,6 +80,7 @@ class DriverStats:
     stale_merged: int = 0
     not_neighbour: int = 0
     timeouts: int = 0  # exchanges closed by their deadline
+    screened: int = 0  # (gossip arrival, cluster) pairs screened gossip dropped
     blocked: int = 0  # senders cut off for flooding malformed messages
     rejected: Counter[str] = field(default_factory=Counter)
 
@@ -125,6 +126,7 @@ class MessageDriver:
         self.blocked: set[int] = set()  # senders cut off: unbound from every hosted queue
         self.liveness = NeighbourLiveness()
         self.stats = DriverStats()
+        self.counted_refusals: Counter[str] = Counter()  # the algorithm's refusals already in stats.rejected
         self.bytes_sent = 0  # payload bytes the hosted clients sent since `take_bytes_sent`, once per receiver
         self.opened_at, self.first_arrival = 0.0, None  # of the open exchange
         self._next_check = 0.0
@@ -284,6 +286,7 @@ class MessageDriver:
 
     def end_round(self) -> None:
         self.algorithm.end_round(self.round)
+        self.stats.screened = self.algorithm.screened
         expected = {m for r in range(len(self.ids)) for ex in self.exchanges if ex.receiver == self.side
                     for m in self.sources(r, ex)} - {SERVER}  # a central role is never presumed dead
         self.liveness.observe_round(expected - self.dead, self.missed - {SERVER})
@@ -407,7 +410,11 @@ class MessageDriver:
         inbox = Inbox(delivered, torch.tensor([envelope.sender], device=device),
                       torch.tensor([envelope.part], device=device),
                       {n: t.unsqueeze(0).to(device) for n, t in envelope.tensors.items()}, envelope.round)
+        refused = sum(self.algorithm.refused.values())
         used = self.algorithm.receive(self.exchanges[self.index], inbox)
+        if sum(self.algorithm.refused.values()) > refused:  # the algorithm refused it (a lying seed candidate)
+            self.stats.rejected.update(self.algorithm.refused - self.counted_refusals)
+            self.counted_refusals = self.algorithm.refused.copy()
         self.stats.applied += used
         self.stats.ignored += 1 - min(used, 1)
         self.seen.add(self.identity(delivery))

@@ -2,6 +2,7 @@
 
 dfca_experiment_round, dfca_worker_round, dfca_messages_{published,applied,duplicate,stale_dropped,
 not_neighbour}_total, dfca_messages_rejected_total{reason}, dfca_messages_dead_lettered_total,
+dfca_gossip_screened_total,
 dfca_round_timeouts_total, dfca_message_lag_seconds, dfca_test_accuracy, dfca_cluster_ari,
 dfca_cluster_accuracy{cluster}, dfca_experiment_status{status}; every one labelled by experiment.
 """
@@ -39,6 +40,8 @@ class RuntimeCollector(Collector):
             "stale_dropped": CounterMetricFamily("dfca_messages_stale_dropped", "Late models dropped", labels=label),
             "not_neighbour": CounterMetricFamily("dfca_messages_not_neighbour", "Models from non-neighbours ignored",
                                                  labels=label),
+            "screened": CounterMetricFamily("dfca_gossip_screened", "Gossip estimates dropped by screened gossip "
+                                            "(dfca.screen), per arrival and cluster", labels=label),
             "rejected": CounterMetricFamily("dfca_messages_rejected", "Malformed or spoofed models rejected",
                                             labels=[*label, "reason"]),
             "dead_lettered": CounterMetricFamily("dfca_messages_dead_lettered", "Messages seen on the dead-letter "
@@ -72,7 +75,7 @@ class RuntimeCollector(Collector):
         reports = self.store.reports(experiment_id)
         totals = message_totals(reports, dead.get(experiment_id, 0))
         for key in ("published", "applied", "duplicates", "stale_dropped", "not_neighbour", "timeouts",
-                    "dead_lettered"):
+                    "dead_lettered", "screened"):
             families[key].add_metric([experiment_id], float(totals[key]))
         for reason, count in totals["rejected"].items():
             families["rejected"].add_metric([experiment_id, reason], float(count))

@@ -30,8 +30,18 @@ from dfca.graph import build_graph, neighbours
 from dfca.runtime.metrics_store import MetricsStore, StoredExperiment, StoredReport
 from dfca.simulator import build_summary, last_rounds_means
 
-COUNTED_STATS = ("published", "applied", "ignored", "duplicates", "stale_dropped", "stale_merged", "not_neighbour",
-                 "timeouts", "blocked")
+COUNTED_STATS = (
+    "published",
+    "applied",
+    "ignored",
+    "duplicates",
+    "stale_dropped",
+    "stale_merged",
+    "not_neighbour",
+    "screened",
+    "timeouts",
+    "blocked",
+)
 
 
 def latest_by_round(reports: Iterable[StoredReport]) -> dict[int, dict[int, StoredReport]]:
@@ -44,8 +54,13 @@ def latest_by_round(reports: Iterable[StoredReport]) -> dict[int, dict[int, Stor
 
 def evaluated_clients(reports: Iterable[StoredReport], exclude: set[int]) -> dict[str, list[Any]]:
     """Concatenated evaluations of the given reports (every per-client field), without the `exclude` clients."""
-    out: dict[str, list[Any]] = {"clients": [], "assigned": [], "test_accuracy": [], "train_loss": [],
-                                 "true_cluster": []}
+    out: dict[str, list[Any]] = {
+        "clients": [],
+        "assigned": [],
+        "test_accuracy": [],
+        "train_loss": [],
+        "true_cluster": [],
+    }
     for report in reports:
         ev = report.evaluation
         if ev is None:
@@ -175,25 +190,36 @@ def summarize(
     if accuracy.numel():
         summary = build_summary(cfg, rounds, accuracy, assigned, truth, wall, [])
     else:
-        summary = {"name": cfg.name, "algorithm": cfg.algorithm, "rounds": cfg.rounds, "clients": 0,
-                   "test_accuracy": None, "cluster_ari": None, "cluster_acc": None, "populated_clusters": 0,
-                   "wall_seconds": wall, "seconds_per_round": None}
+        summary = {
+            "name": cfg.name,
+            "algorithm": cfg.algorithm,
+            "rounds": cfg.rounds,
+            "clients": 0,
+            "test_accuracy": None,
+            "cluster_ari": None,
+            "cluster_acc": None,
+            "populated_clusters": 0,
+            "wall_seconds": wall,
+            "seconds_per_round": None,
+        }
     summary.update(mixture_fields(final))
     summary.update(algorithm_metrics(cfg, final))
     summary.update(last_rounds_means([r for r in rounds if "test_accuracy" in r]))
     incarnations: dict[int, set[str]] = defaultdict(set)
     for event in worker_events:
         incarnations[event["worker"]].add(event["incarnation"])
-    summary.update({
-        "id": experiment.id,
-        "status": experiment.status,
-        "clients_total": cfg.data.clients,
-        "failed_clients": sorted(failed),
-        "rounds_completed": max((r["round"] for r in rounds), default=0),
-        "messages": message_totals(reports, dead_lettered),
-        "worker_restarts": {str(w): len(i) - 1 for w, i in sorted(incarnations.items()) if len(i) > 1},
-        "resumed_from": {str(e["worker"]): e["resumed_from"] for e in worker_events if e["state"] == "resumed"},
-    })
+    summary.update(
+        {
+            "id": experiment.id,
+            "status": experiment.status,
+            "clients_total": cfg.data.clients,
+            "failed_clients": sorted(failed),
+            "rounds_completed": max((r["round"] for r in rounds), default=0),
+            "messages": message_totals(reports, dead_lettered),
+            "worker_restarts": {str(w): len(i) - 1 for w, i in sorted(incarnations.items()) if len(i) > 1},
+            "resumed_from": {str(e["worker"]): e["resumed_from"] for e in worker_events if e["state"] == "resumed"},
+        }
+    )
     return summary
 
 

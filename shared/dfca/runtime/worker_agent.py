@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from dfca import topics
+from dfca.attacks import Attack
 from dfca.config import ExperimentConfig
 from dfca.runtime.client_runner import ClientRunner, RunSpec
 from dfca.runtime.event_consumer import QueueConsumer
@@ -63,8 +64,11 @@ class WorkerAgent:
         topology_url: str | None,
         data_root: str | None = None,
         device: str | None = None,
+        forge: Attack | None = None,
     ) -> None:
+        """`forge`: robustness experiments only (DFCA_FORGE): this worker's clients send forged messages."""
         self.deployment, self.ordinal, self.workers, self.connect = deployment, ordinal, workers, connect
+        self.forge = forge
         self.checkpoint_dir, self.topology_url, self.data_root = checkpoint_dir, topology_url, data_root
         self.device = device  # DFCA_DEVICE, or None: each experiment's config decides
         self.transport = connect(64)
@@ -125,7 +129,7 @@ class WorkerAgent:
                 return
             runner = ClientRunner(spec, self.connect, self.emit, self.checkpoint_dir,
                                   over=(lambda: self._status(spec.experiment) in (*TERMINAL_STATUSES, "unknown"))
-                                  if self.topology_url else None)
+                                  if self.topology_url else None, forge=self.forge)
             self.runners[spec.experiment] = runner
         log.info("experiment %s: hosting clients %s", spec.experiment, spec.clients,
                  extra={"experiment": spec.experiment, "worker": self.ordinal})

@@ -210,7 +210,7 @@ function workersTable(table, states) {
 
 function messagesTable(table, messages) {
   const rows = [];
-  for (const key of ["published", "applied", "ignored", "duplicates", "stale_dropped", "stale_merged", "timeouts", "dead_lettered"]) {
+  for (const key of ["published", "applied", "ignored", "duplicates", "stale_dropped", "stale_merged", "timeouts", "dead_lettered", "screened"]) {
     if (messages[key] !== undefined) rows.push([key.replace("_", " "), messages[key]]);
   }
   for (const [reason, count] of Object.entries(messages.rejected || {})) rows.push([`rejected: ${reason}`, count]);

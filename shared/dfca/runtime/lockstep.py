@@ -1,24 +1,28 @@
-"""The lockstep test driver: several message drivers (and a central role's) in one thread, exchange by exchange.
+"""The lockstep driver: several message drivers (and a central role's) in one thread, exchange by exchange.
 
 Every driver begins the round; for each exchange all of them publish, then all collect, then all close it;
-then every driver ends the round. With synchronous delivery the result must equal the simulator's.
+then every driver ends the round. With synchronous delivery the result must equal the simulator's (the tests
+prove it for every algorithm); benchmarks/byzantine.py runs a compromised host among honest ones this way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-from dfca.algorithms import HostContext, clients_of, server_of
+from dfca.algorithms import Algorithm, HostContext, clients_of, server_of
 from dfca.algorithms.base import SERVER
+from dfca.attacks import Attack, Forger
 from dfca.config import ExperimentConfig
 from dfca.data import FederatedData
+from dfca.evaluation import cluster_ari
 from dfca.models import build_model
 from dfca.runtime.message_driver import MessageDriver
 from dfca.schedule import RoundSchedule
-from dfca.transport import Transport
+from dfca.transport import InMemoryBroker, InMemoryTransport, Transport
 
 Graph = Mapping[int, Sequence[int]]
 
@@ -57,7 +61,9 @@ class LockstepRun:
         return self.drivers if self.server is None else [*self.drivers, self.server]
 
 
-def lockstep_round(run: LockstepRun, t: int, timeout: float = 5.0) -> None:
+def lockstep_round(run: LockstepRun, t: int, timeout: float = 5.0, strict: bool = True) -> None:
+    """Round t on every driver. `strict`: a message missing when an exchange closes is an error (it cannot be, with
+    honest hosts); else the exchange closes after `timeout` as on the runtime (a host's messages were refused)."""
     everyone = run.everyone
     for d in everyone:
         d.begin_round(t)
@@ -65,7 +71,7 @@ def lockstep_round(run: LockstepRun, t: int, timeout: float = 5.0) -> None:
         for d in everyone:
             d.start_exchange(index)
         for d in everyone:
-            if not d.collect(timeout):
+            if not d.collect(timeout) and strict:
                 raise RuntimeError(f"round {t}: {d.ids} missed messages of exchange {index} in lockstep mode")
         for d in everyone:
             d.end_exchange()
@@ -90,3 +96,37 @@ def run_lockstep(
     for t in range(RoundSchedule(cfg).total_rounds):
         lockstep_round(run, t)
     return run
+
+
+def run_with_forger(cfg: ExperimentConfig, data: FederatedData, graph: Graph, attack: Attack, hosts: int = 3,
+                    forger: int = 1, timeout: float = 0.5) -> LockstepRun:
+    """`cfg` over `hosts` in-memory drivers in lockstep, host `forger` compromised: it runs the algorithm, but its
+    clients send what `attack` forges (dfca.attacks). An exchange whose forgeries were refused closes after
+    `timeout`, as on the runtime."""
+    broker = InMemoryBroker()
+    n = data.num_clients
+    groups = [list(range(h, n, hosts)) for h in range(hosts)]
+    drivers = [client_driver(cfg, "forged", g, data.subset(g), graph, InMemoryTransport(broker), workers=hosts)
+               for g in groups]
+    drivers[forger].algorithm = cast(Algorithm, Forger(drivers[forger].algorithm, attack, cfg.seed))
+    run = LockstepRun(drivers, None)
+    for t in range(RoundSchedule(cfg).total_rounds):
+        lockstep_round(run, t, timeout, strict=False)
+    return run
+
+
+def honest_scores(run: LockstepRun, forger: int) -> dict[str, float]:
+    """Mean test accuracy and ARI over the clients of every host but `forger`, and what their drivers refused."""
+    accuracy, assigned, truth = [], [], []
+    refused = 0
+    for h, driver in enumerate(run.drivers):
+        if h == forger:
+            continue
+        ev = driver.algorithm.evaluate()
+        accuracy += ev.test_accuracy.tolist()
+        assigned += ev.assigned.tolist()
+        truth += driver.algorithm.data().true_cluster.tolist()
+        refused += sum(driver.stats.rejected.values())
+    return {"test_accuracy": sum(accuracy) / len(accuracy),
+            "cluster_ari": cluster_ari(torch.tensor(assigned), torch.tensor(truth)),
+            "rejected": refused, "screened": sum(d.stats.screened for h, d in enumerate(run.drivers) if h != forger)}

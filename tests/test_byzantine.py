@@ -1,0 +1,136 @@
+"""One bad participant: forged seed candidates and consensus pairs (dfca.attacks) against robust DFCA's defences.
+
+Seeding always refuses what a receiver can check (core.seeding.refused_candidates, responds_to_input); screened
+gossip (`dfca.screen`, core.screened_gossip) bounds what a neighbour's (num, den) pair can do. The lockstep tests run
+three message drivers in memory with host 1 compromised (dfca.runtime.lockstep.run_with_forger); the RabbitMQ run
+with a compromised worker's own credentials is in test_broker_least_privilege.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from dfca.attacks import Attack, top_draw
+from dfca.config import ExperimentConfig
+from dfca.core.consensus import StepConsensus, ratio_estimate
+from dfca.core.screened_gossip import Screen, budgeted, screened_mix
+from dfca.core.seeding import first_slot_scores, refused_candidates, responds_to_input
+from dfca.data import build_federated_data
+from dfca.graph import build_graph, neighbours
+from dfca.runtime.lockstep import honest_scores, run_with_forger
+
+
+# -- seeding: what a receiver can check --------------------------------------------------------------------------------
+def test_a_seed_score_is_refused_when_no_honest_client_could_have_sent_it() -> None:
+    drawn = first_slot_scores(7, [0, 1, 2])
+    score = torch.tensor([float(drawn[0]), 0.999, float(drawn[2]), -1.0, 0.5], dtype=torch.float64)
+    origin = torch.tensor([0, 1, 2, 1, 9])
+    # slot 0: the draw of its origin, recomputed; a negative score; an origin that is not a client of the run
+    assert refused_candidates(score, origin, 0, 7, 3).tolist() == [False, True, False, True, True]
+    # later slots (a loss on the origin's own data): any finite score >= 0 of a client of the run
+    assert refused_candidates(score, origin, 1, 7, 3).tolist() == [False, False, False, True, True]
+    assert refused_candidates(torch.tensor([math.inf], dtype=torch.float64), torch.tensor([0]), 1, 7, 3).item()
+
+
+def test_a_model_that_ignores_its_input_cannot_seed_a_cluster() -> None:
+    inputs = torch.randn(3, 5, 4)
+    weights = torch.randn(3, 4, 2)
+    weights[1] = 0.0  # the all-zero model of issue 17's seed hijack
+    logits = inputs @ weights
+    logits[2, 0, 0] = math.nan
+    assert responds_to_input(logits).tolist() == [True, False, False]
+
+
+def test_the_relay_liar_claims_the_true_top_draw() -> None:
+    origin, draw = top_draw(3, 10)
+    assert draw == float(first_slot_scores(3, range(10)).max()) and not refused_candidates(
+        torch.tensor([draw], dtype=torch.float64), torch.tensor([origin]), 0, 3, 10).item()
+
+
+# -- screened gossip: the kernel ------------------------------------------------------------------------------------
+def test_a_forged_weight_counts_no_more_than_one_honest_client() -> None:
+    num = {"w": torch.ones(2, 3, 4)}
+    den = torch.tensor([[1e6, 1e6, 1e6], [0.5, 0.0, 0.0]])
+    kept_num, kept_den = budgeted(num, den, budget=1.0)
+    assert torch.allclose(kept_den[0], torch.full((3,), 1 / 3)) and torch.allclose(kept_den[1], den[1])
+    estimate = kept_num["w"] / kept_den.unsqueeze(-1)
+    assert torch.allclose(estimate[0], num["w"][0] / den[0].unsqueeze(-1))  # the estimate is kept, not its weight
+
+
+def screen_of(anchor: dict[str, torch.Tensor], radius: float, trim: float = 0.0) -> Screen:
+    m = next(iter(anchor.values())).shape[0]
+    return Screen(anchor, torch.full((m,), radius), torch.zeros(m, dtype=torch.long), 1.0, None, trim)
+
+
+@pytest.mark.parametrize("trim", [0.0, 0.25])
+def test_screened_gossip_drops_far_estimates_and_is_ratio_consensus_without_them(trim: float) -> None:
+    torch.manual_seed(0)
+    anchor = {"w": torch.zeros(1, 1, 8)}
+    own = {"w": torch.randn(1, 1, 8) * 0.1}
+    honest = torch.randn(4, 1, 8) * 0.1  # estimates near the anchor, weight 1 each
+    liar = torch.full((1, 1, 8), 50.0)  # one estimate far away, with a forged weight
+    arrived_num = {"w": torch.cat([honest, liar * 1e6])}
+    arrived_den = torch.tensor([[1.0]] * 4 + [[1e6]])
+    delivered = torch.ones(1, 5, dtype=torch.bool)
+    num, den, dropped = screened_mix({"w": own["w"].clone()}, torch.ones(1, 1), delivered, arrived_num, arrived_den,
+                                     screen_of(anchor, radius=1.0, trim=trim))
+    assert dropped == 1
+    result = ratio_estimate(num["w"], den, own["w"])
+    if trim == 0:  # exactly the mean of the own and the honest copies: the liar counts as (0, 0)
+        assert torch.allclose(result, torch.cat([own["w"], honest]).mean(0, keepdim=True), atol=1e-6)
+    assert result.abs().max() < 0.5  # the liar at 50 moved nothing
+    # without the screen ratio consensus follows the liar's weight
+    plain = StepConsensus({"w": own["w"].clone()}, torch.ones(1, 1))
+    plain.receive(delivered, {"num.w": arrived_num["w"], "den": arrived_den})
+    plain.step()
+    assert ratio_estimate(plain.num["w"], plain.den, own["w"]).min() > 40
+
+
+def test_the_trimmed_mean_cuts_the_ends_of_each_coordinate() -> None:
+    anchor = {"w": torch.zeros(1, 1, 1)}
+    values = torch.tensor([0.0, 1.0, 2.0, 3.0, 100.0]).reshape(5, 1, 1)  # the own copy is 5.0
+    num, den, _ = screened_mix({"w": torch.full((1, 1, 1), 5.0)}, torch.ones(1, 1), torch.ones(1, 5, dtype=torch.bool),
+                               {"w": values}, torch.ones(5, 1), screen_of(anchor, radius=1e9, trim=0.2))
+    # six values 0, 1, 2, 3, 5, 100: one cut from each end -> mean of 1, 2, 3, 5
+    assert ratio_estimate(num["w"], den, torch.zeros(1, 1, 1)).item() == pytest.approx(2.75)
+
+
+# -- a compromised host among honest ones, in lockstep ----------------------------------------------------------------
+def small_config(**dfca: Any) -> ExperimentConfig:
+    return ExperimentConfig.model_validate({
+        "name": "byzantine", "algorithm": "dfca", "clusters": 2, "rounds": 10, "seed": 0,
+        "data": {"dataset": "mnist-bundled", "rotations": [0, 180], "clients": 18, "train_per_client": 80,
+                 "test_per_client": 20},
+        "model": {"kind": "mlp", "hidden": 64}, "train": {"lr": 0.2, "local_epochs": 3, "batch_size": 20},
+        "topology": {"kind": "erdos_renyi", "p": 0.5},
+        "dfca": {"warmup_rounds": 4, "warmup_gossip_steps": 6, "flood_rounds": 2, **dfca}})
+
+
+def scores(cfg: ExperimentConfig, attack: Attack) -> dict[str, float]:
+    data = build_federated_data(cfg)
+    graph = neighbours(build_graph(cfg.topology, data.num_clients, cfg.seed))
+    return honest_scores(run_with_forger(cfg, data, graph, attack, timeout=0.2), forger=1)
+
+
+@pytest.fixture(scope="module")
+def honest() -> dict[str, float]:
+    return scores(small_config(screen=True), Attack())
+
+
+@pytest.mark.slow
+def test_issue_17s_hijacks_capture_plain_consensus_but_not_the_screen(honest: dict[str, float]) -> None:
+    """Host 1 of 3 sends issue 17's seed hijack (an all-zero model with an inflated score) and consensus hijack (a
+    huge weight on the zero model). Seeding refuses the candidates either way; plain ratio consensus is captured;
+    screened gossip keeps the honest clients within 3 points of the honest run and their clusters recovered."""
+    attack = Attack("inflate", "inflate")
+    assert honest["cluster_ari"] == 1.0 and honest["test_accuracy"] > 0.8, honest
+    captured = scores(small_config(), attack)
+    assert captured["test_accuracy"] < 0.3, captured  # without the screen one liar decides the mean
+    screened = scores(small_config(screen=True), attack)
+    assert screened["rejected"] > 0 and screened["screened"] > 0, screened  # candidates refused, pairs dropped
+    assert screened["test_accuracy"] >= honest["test_accuracy"] - 0.03, (screened, honest)
+    assert screened["cluster_ari"] >= 0.9, screened
