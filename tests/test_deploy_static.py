@@ -228,6 +228,23 @@ def test_compose_env_vars_are_the_ones_the_services_read(compose: dict[str, Any]
                 assert names <= set(ENV_VARS), (name, names - set(ENV_VARS))
 
 
+def test_only_the_rest_services_hold_the_api_token(manifests: list[Manifest], compose: dict[str, Any],
+                                                  compose_gpu: dict[str, Any]) -> None:
+    """Workers and the aggregator only read the REST API (DFCA_READ_TOKEN): a compromised one cannot create, start,
+    stop or delete an experiment."""
+    holders = set()
+    for workload in workloads(manifests):
+        for container in dfca_containers(workload):
+            if "DFCA_API_TOKEN" in env_names(container, manifests):
+                holders.add(component(workload))
+    assert holders == {"topology", "metrics"}, holders
+    for document in (compose, compose_gpu):
+        for name, service in document["services"].items():
+            if name.startswith(("worker", "aggregator")):
+                assert "DFCA_API_TOKEN" not in compose_environment(service), name
+    assert "DFCA_API_TOKEN" in compose_environment(compose["services"]["topology"])
+
+
 def test_ports_match_the_services_defaults(manifests: list[Manifest]) -> None:
     services = {doc["metadata"]["name"]: doc for doc in manifests if doc["kind"] == "Service"}
     for workload in workloads(manifests):

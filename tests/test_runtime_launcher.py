@@ -60,6 +60,9 @@ def test_services_get_only_documented_dfca_variables(tmp_path: Path) -> None:
         assert {k for k in env if k.startswith("DFCA_")} <= set(ENV_VARS)
     worker = service_env(options, "worker", 9999, 3)
     assert worker["DFCA_WORKER_ORDINAL"] == "3" and worker["DFCA_WORKERS"] == "4"
+    # only the REST services hold the API token: a compromised worker or aggregator cannot create, start or stop
+    assert "DFCA_API_TOKEN" not in worker and "DFCA_API_TOKEN" not in service_env(options, "aggregator", 9999)
+    assert service_env(options, "topology", 9999)["DFCA_API_TOKEN"] == "x"
     assert worker["DFCA_TOPOLOGY_URL"] == "http://127.0.0.1:8080" and int(worker["OMP_NUM_THREADS"]) >= 1
 
 

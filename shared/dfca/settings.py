@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 ENV_VARS: dict[str, str] = {
     "DFCA_BROKER_URL": "AMQP URL of RabbitMQ, e.g. amqp://dfca:dfca@127.0.0.1:5672/dfca",
-    "DFCA_API_TOKEN": "bearer token that mutating REST calls must carry (it is good for reads too)",
+    "DFCA_API_TOKEN": "bearer token that mutating REST calls must carry (it is good for reads too); only the topology "
+                      "and metrics services hold it",
     "DFCA_READ_TOKEN": "bearer token that reads of the REST APIs must carry; unset: reads are open",
     "DFCA_BROKER_USERS": "JSON file of each principal's AMQP URL (python -m dfca.broker_users) for `dfca up`",
     "DFCA_TOPOLOGY_URL": "base URL of the topology service, for workers and the aggregator",
@@ -35,8 +36,9 @@ DEFAULT_PORTS = {"topology": 8080, "metrics": 8081, "worker": 8082, "aggregator"
 
 
 def service_auth() -> dict[str, str]:
-    """The header a service (worker, aggregator) sends on its own REST calls to the topology service."""
-    token = env("DFCA_API_TOKEN")
+    """The header a service (worker, aggregator) sends on its own REST calls to the topology service: they only read,
+    with DFCA_READ_TOKEN (deployments give them no API token); DFCA_API_TOKEN where a deployment still gives one."""
+    token = env("DFCA_READ_TOKEN") or env("DFCA_API_TOKEN")
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 

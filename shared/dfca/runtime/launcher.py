@@ -101,11 +101,13 @@ class ServiceProcess:
         return self.process.pid if self.process is not None else None
 
 
+REST_SERVICES = ("topology", "metrics")  # the services that check the API token, and so hold it
+
+
 def service_env(options: StackOptions, service: str, port: int, ordinal: int | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFCA_")}
     env.update({
         "DFCA_BROKER_URL": options.broker_url_of(service if ordinal is None else worker(ordinal)),
-        "DFCA_API_TOKEN": options.api_token,
         "DFCA_READ_TOKEN": options.read_token,
         "DFCA_TOPOLOGY_URL": options.topology_url,
         "DFCA_METRICS_URL": options.metrics_url,
@@ -118,6 +120,8 @@ def service_env(options: StackOptions, service: str, port: int, ordinal: int | N
     })
     if options.data_root:
         env["DFCA_DATA_ROOT"] = options.data_root
+    if service in REST_SERVICES:  # workers and the aggregator only read the REST API: no API token for them
+        env["DFCA_API_TOKEN"] = options.api_token
     if ordinal is not None:
         env["DFCA_WORKER_ORDINAL"] = str(ordinal)
         if ordinal in options.forge:
