@@ -187,6 +187,34 @@ def test_a_proven_sender_flooding_junk_is_cut_off_and_no_longer_waited_for(prove
     assert all((m is None) == proven for m in delivered)  # cut off: the broker routes nothing more to us
 
 
+@pytest.mark.parametrize("proven", [True, False], ids=["per-principal users", "shared user"])
+def test_a_proven_sender_flooding_copies_of_a_valid_message_is_cut_off(proven: bool) -> None:
+    """Repeats of one well-formed model, published under worker 1's own client's key: the first is used, the repeats
+    are duplicates, and past BLOCK_AFTER_INVALID of them in a round the sender is cut off where publishers are
+    proven (a repeat the broker redelivers itself does not count)."""
+    cfg = small_config(dfca={"variant": "paper"})
+    broker = InMemoryBroker()
+    ctx = prepare(cfg)
+    graph = neighbours(ctx.graph)
+    ours = list(range(0, ctx.data.num_clients, 2))  # worker 0 of 2
+    a = client_driver(cfg, "robust", ours, ctx.data.subset(ours), graph,
+                      InMemoryTransport(broker, user="dfca-worker-0" if proven else "dfca"), workers=2)
+    peer = next(m for c in ours for m in a.neighbours[c] if m % 2 == 1)
+    row = next(r for r, c in enumerate(a.ids) if peer in a.neighbours[c])
+    shapes = a.algorithm.ctx.model.shapes()
+    envelope = Envelope("robust", peer, 0, "models", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
+    body, headers = encode_message(envelope, {n: TensorSpec(s) for n, s in shapes.items()})
+    forger = InMemoryTransport(broker, user="dfca-worker-1" if proven else "dfca")
+    a.begin_round(0)
+    a.start_exchange(0)
+    for _ in range(message_driver.BLOCK_AFTER_INVALID + 5):
+        forger.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", "worker-1", peer, 0), body, headers)
+        while (msg := a.transport.receive(a.queues[row], 0.0)) is not None:
+            a.handle(row, msg)
+    assert a.stats.duplicates >= message_driver.BLOCK_AFTER_INVALID - 1 or peer in a.blocked
+    assert (peer in a.blocked) == proven and a.stats.rejected.total() == 0
+
+
 def test_a_message_redelivered_after_a_restart_is_a_duplicate_not_merged_again(tmp_path: Any) -> None:
     """A worker checkpoints round 0 and crashes before its acks: the broker redelivers what it had folded. With
     `staleness: merge` a round-0 model arriving in round 1 would be merged again; the checkpoint carries the

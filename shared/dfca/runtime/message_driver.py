@@ -11,9 +11,10 @@ It runs the simulator's algorithm objects (dfca.algorithms) unchanged and owns e
 - the sender's host: the routing key must name the principal hosting the sender (client c on worker
   c % workers, a central role on the aggregator) and, where the driver's own broker user is a principal's,
   the broker-proven publisher must be that principal (dfca.principals), else `publisher` is counted;
-- cut-off: where publishers are proven, a sender whose host sent BLOCK_AFTER_INVALID malformed messages under its
-  key in one round (a flood of junk) is unbound from every hosted queue for the rest of the run and no longer
-  waited for (`blocked`): the broker stops delivering what it sends;
+- cut-off: where publishers are proven, a sender whose host sent BLOCK_AFTER_INVALID malformed messages, or as many
+  repeats of messages already used (a flood of well-formed copies; the broker's own redeliveries do not count),
+  under its key in one round is unbound from every hosted queue for the rest of the run and no longer waited for
+  (`blocked`): the broker stops delivering what it sends;
 - dedupe: a message is used at most once per (receiver, sender, round, exchange, step, part);
 - order: a message of a later exchange is held (unacknowledged, each identity once) until its exchange opens;
   one more than MAX_ROUNDS_AHEAD rounds ahead of the receiver is rejected and counted (`future_round`),
@@ -320,9 +321,11 @@ class MessageDriver:
         self._route(Delivery(row, message, envelope))
 
     def _count_invalid(self, message: Message) -> None:
-        """A malformed message whose sender's host is proven counts against that sender; past BLOCK_AFTER_INVALID
-        in one round the sender is cut off. (Without proven publishers anyone could frame an honest client.)"""
-        if not self.publishers.strict:
+        """A malformed message, or a repeat the broker did not redeliver, whose sender's host is proven counts against
+        that sender; past BLOCK_AFTER_INVALID in one round the sender is cut off. An honest client never sends
+        either (a publish retried after a lost confirm repeats one message). Without proven publishers anyone could
+        frame an honest client, so nobody is cut off."""
+        if not self.publishers.strict or message.redelivered:
             return
         try:
             sender = topics.parse_model_key(message.routing_key).sender
@@ -342,7 +345,8 @@ class MessageDriver:
             self.transport.unbind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, sender))
         for waiting in self.waiting:
             waiting.pop(sender, None)
-        log.warning("round %d: client %d (host %s) sent %d malformed messages: cut off for the rest of the run",
+        log.warning("round %d: client %d (host %s) sent %d malformed or repeated messages: cut off for the rest of the "
+                    "run",
                     self.round, sender, self.host_of(sender), self.invalid[sender])
 
     def from_senders_host(self, message: Message) -> bool:
@@ -361,6 +365,7 @@ class MessageDriver:
         if identity in self.seen:
             self.stats.duplicates += 1
             self.transport.ack(delivery.message)
+            self._count_invalid(delivery.message)
             return
         index, ex = self.exchange_of(envelope)
         here = (envelope.round, index)
@@ -374,6 +379,7 @@ class MessageDriver:
             elif identity in self.held_ids:
                 self.stats.duplicates += 1
                 self.transport.ack(delivery.message)
+                self._count_invalid(delivery.message)
             else:
                 self.held_ids.add(identity)
                 self.held.append(delivery)
