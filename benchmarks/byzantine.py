@@ -99,7 +99,10 @@ def table(runs: list[dict[str, Any]], settings: list[int]) -> str:
                 delta = f" ({100 * (acc - base):+.1f})" if base is not None and attack != ("none", "none") else ""
                 cells.append(f"{100 * acc:.1f}%{delta}, ARI {ari:.2f} (n={len(mine)})")
             lines.append(f"| {attack[0]}, {attack[1]} | " + " | ".join(cells) + " |")
-        lines.append("")
+        seconds = {d: [r["seconds"] for r in runs if r["setting"] == s and r["defence"] == d] for d in DEFENCES}
+        timing = ", ".join(f"{d} {statistics.mean(v):.0f}" for d, v in seconds.items() if v)
+        lines += ["", f"Seconds per run, mean over the attacks run: {timing} (two runs at a time, one thread each).",
+                  ""]
     return "\n".join(lines)
 
 

@@ -53,12 +53,11 @@ def test_the_relay_liar_claims_the_true_top_draw() -> None:
 
 # -- screened gossip: the kernel ------------------------------------------------------------------------------------
 def test_a_forged_weight_counts_no_more_than_one_honest_client() -> None:
-    num = {"w": torch.ones(2, 3, 4)}
-    den = torch.tensor([[1e6, 1e6, 1e6], [0.5, 0.0, 0.0]])
-    kept_num, kept_den = budgeted(num, den, budget=1.0)
-    assert torch.allclose(kept_den[0], torch.full((3,), 1 / 3)) and torch.allclose(kept_den[1], den[1])
-    estimate = kept_num["w"] / kept_den.unsqueeze(-1)
-    assert torch.allclose(estimate[0], num["w"][0] / den[0].unsqueeze(-1))  # the estimate is kept, not its weight
+    den = torch.tensor([[1e6, 1e6, 1e6], [0.5, 0.0, 0.0], [math.nan, -3.0, 0.2]])
+    kept, scale = budgeted(den, budget=1.0)
+    assert torch.allclose(kept[0], torch.full((3,), 1 / 3)) and torch.equal(kept[1], den[1])
+    assert torch.allclose(kept[2], torch.tensor([0.0, 0.0, 0.2]))
+    assert torch.allclose(scale[0], kept[0] / den[0]) and torch.equal(scale[1], torch.tensor([1.0, 0.0, 0.0]))
 
 
 def screen_of(anchor: dict[str, torch.Tensor], radius: float, trim: float = 0.0) -> Screen:

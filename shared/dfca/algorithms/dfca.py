@@ -45,10 +45,13 @@ from dfca.algorithms.base import (
 )
 from dfca.core import assign_clusters, fold_models, init_cluster_models, round_seeds, self_weights, train_assigned
 from dfca.core.consensus import StepConsensus, WalkConsensus, consensus_weights, source_weights
+from dfca.core.params import gather_clusters
 from dfca.core.screened_gossip import Screen, displacement
 from dfca.core.seeding import SeedCandidates, first_slot_scores, fit_scores, refused_candidates, responds_to_input
 from dfca.models import Params
 from dfca.wire import TensorSpec
+
+SCREEN_SAMPLES = 64  # samples per client that screened gossip's loss test evaluates an estimate on
 
 
 class DFCA(Algorithm):
@@ -111,24 +114,32 @@ class DFCA(Algorithm):
 
     def screen(self, anchor: Params) -> Screen:
         """What this round's gossip screens arrivals against (core.screened_gossip): last round's models, the
-        distance this round's training moved each client's own, and the loss test on its own data."""
+        distance this round's training moved each client's own, and the loss test on its own data (at most
+        SCREEN_SAMPLES of its training samples, the same ones for the anchor and every estimate)."""
         d = self.ctx.cfg.dfca
         radius = d.screen_radius * displacement(self.params, anchor, self.assigned).clamp_min(1e-6)
+        self.anchor_loss = self.sample_loss(torch.arange(len(self.ctx.clients), device=self.ctx.device),
+                                            gather_clusters(anchor, self.assigned))
         return Screen(anchor, radius.to(self.ctx.device), self.assigned, 1 + (self.k - 1) * d.untrained_weight,
                       self.fits_own_data, d.screen_trim)
 
+    def sample_loss(self, rows: Tensor, models: Params) -> Tensor:
+        """[R]: the loss of models [R, ...] on the first SCREEN_SAMPLES training samples of each row."""
+        d = self.data()
+        x = d.x_train[:, :SCREEN_SAMPLES].index_select(0, rows)
+        y = d.y_train[:, :SCREEN_SAMPLES].index_select(0, rows)
+        logits = self.ctx.model.logits(models, x)
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
+
     def fits_own_data(self, rows: Tensor, estimates: Params) -> Tensor:
-        """[P] bool: each estimate of row `rows[p]`'s own cluster is not much worse on that row's training data than
-        its model of last round (loss x): at most max((1 + screen_loss) x, x + screen_loss), and below chance
+        """[P] bool: each estimate of row `rows[p]`'s own cluster is not much worse on that row's samples than its
+        model of last round (loss x): at most max((1 + screen_loss) x, x + screen_loss), and below chance
         (ln classes)."""
-        d, tol = self.data(), self.ctx.cfg.dfca.screen_loss
-        x, y = d.x_train.index_select(0, rows), d.y_train.index_select(0, rows)
-        logits = self.ctx.model.logits(estimates, x)
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
-        before = self.losses[rows, self.assigned[rows]]
+        tol = self.ctx.cfg.dfca.screen_loss
+        before = self.anchor_loss.index_select(0, rows)
         limit = torch.minimum(torch.maximum((1 + tol) * before, before + tol),
-                              torch.full_like(before, math.log(d.num_classes)))
-        return loss <= limit
+                              torch.full_like(before, math.log(self.data().num_classes)))
+        return self.sample_loss(rows, estimates) <= limit
 
     def local_models(self, t: int) -> Params:
         """phi_i, the seeding's local model: client i's copy of cluster 0 after `seed_epochs` epochs on D_i."""

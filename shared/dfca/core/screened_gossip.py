@@ -30,7 +30,6 @@ import torch
 from torch import Tensor
 
 MIN_WEIGHT = 1e-3  # as core.consensus: den at or below this holds no estimate
-PAIR_CHUNK_FLOATS = 1 << 24  # pairs x features gathered at once (64 MiB of float32)
 
 # (receiver rows [P], their estimates of their own cluster [P, ...]) -> [P] bool: keep the estimate
 EstimateTest = Callable[[Tensor, dict[str, Tensor]], Tensor]
@@ -52,29 +51,32 @@ def _per_row(t: Tensor, like: Tensor) -> Tensor:
     return t.reshape(*t.shape, *[1] * (like.dim() - t.dim()))
 
 
-def budgeted(num: Mapping[str, Tensor], den: Tensor, budget: float) -> tuple[dict[str, Tensor], Tensor]:
-    """Arrived pairs [S, k, ...], [S, k] with each den clamped to [0, 1] and each message's total den to `budget`."""
+def budgeted(den: Tensor, budget: float) -> tuple[Tensor, Tensor]:
+    """(den', scale) [S, k]: each arrived den clamped to [0, 1] and each message's total to `budget`, and what its num
+    is to be multiplied by (den' / den) for the pair to keep its estimate num / den. An honest pair's scale is 1."""
     clean = den.nan_to_num(0.0, 0.0, 0.0).clamp(0.0, 1.0)
-    factor = (budget / clean.sum(1).clamp_min(1e-12)).clamp(max=1.0)  # [S]
-    clean = clean * factor.unsqueeze(1)
-    scale = torch.where(den > 0, clean / den.clamp_min(1e-30), torch.zeros_like(den))  # what num is multiplied by
-    return {n: v.nan_to_num(0.0, 0.0, 0.0) * _per_row(scale.to(v.dtype), v) for n, v in num.items()}, clean
+    clean = clean * (budget / clean.sum(1, keepdim=True).clamp_min(1e-12)).clamp(max=1.0)
+    scale = torch.where(den > 0, clean / den.clamp_min(1e-30), torch.zeros_like(den))
+    return clean, scale
 
 
-def anchor_distances(num: Mapping[str, Tensor], den: Tensor, anchor: Mapping[str, Tensor], rows: Tensor,
-                     cols: Tensor) -> Tensor:
-    """[P, k]: |num[cols, j] / den[cols, j] - anchor[rows, j]| over all of cluster j's tensors, for the P pairs."""
-    k = den.shape[1]
-    sq = torch.zeros(rows.shape[0], k, dtype=torch.float64, device=den.device)
+def _flat(t: Tensor, j: int) -> Tensor:
+    """[R, k, ...] -> cluster j as [R, F]."""
+    return t[:, j].reshape(t.shape[0], -1)
+
+
+def anchor_distances(num: Mapping[str, Tensor], den: Tensor, anchor: Mapping[str, Tensor]) -> Tensor:
+    """[M, S, k]: |num[s, j] / den[s, j] - anchor[i, j]| over all of cluster j's tensors, for every row i and message
+    s, as |e|^2 + |a|^2 - 2 a.e (one matrix product per cluster and tensor, no copy per pair)."""
+    m, (s, k) = next(iter(anchor.values())).shape[0], den.shape
+    sq = torch.zeros(m, s, k, dtype=torch.float64, device=den.device)
+    inv = 1.0 / den.clamp_min(MIN_WEIGHT)
     for name, a in anchor.items():
-        src = num[name]
-        width = a[0].numel()
-        step = max(1, PAIR_CHUNK_FLOATS // max(1, width))
-        for lo in range(0, rows.shape[0], step):
-            r, c = rows[lo:lo + step], cols[lo:lo + step]
-            est = src.index_select(0, c) / _per_row(den.index_select(0, c).clamp_min(MIN_WEIGHT).to(src.dtype), src)
-            sq[lo:lo + step] += (est - a.index_select(0, r)).pow(2).reshape(r.shape[0], k, -1).sum(2).double()
-    return sq.sqrt()
+        for j in range(k):
+            e = _flat(num[name], j).to(a.dtype) * inv[:, j].to(a.dtype).unsqueeze(1)  # [S, F]
+            aj = _flat(a, j)  # [M, F]
+            sq[..., j] += ((aj * aj).sum(1).unsqueeze(1) + (e * e).sum(1).unsqueeze(0) - 2 * aj @ e.T).double()
+    return sq.clamp_min(0.0).sqrt()
 
 
 def own_cluster_estimates(num: Mapping[str, Tensor], den: Tensor, cols: Tensor, clusters: Tensor) -> dict[str, Tensor]:
@@ -88,41 +90,34 @@ def screened_mix(num: dict[str, Tensor], den: Tensor, delivered: Tensor, arrived
     """One screened gossip step for the M hosted rows: (num', den', informative (pair, cluster)s dropped).
 
     num [M, k, ...], den [M, k]: the rows' pairs; delivered [M, S]: row i received message s; arrived_num
-    [S, k, ...], arrived_den [S, k]: the messages. An arrival of (about) no weight, den <= MIN_WEIGHT, is dropped
-    too: it carries no estimate, and its num could carry anything.
+    [S, k, ...], arrived_den [S, k]: the messages (not changed). An arrival of (about) no weight, den <= MIN_WEIGHT, is
+    dropped too: it carries no estimate, and its num could carry anything.
     """
-    arr_num, arr_den = budgeted(arrived_num, arrived_den, screen.budget)
-    rows, cols = delivered.nonzero(as_tuple=True)
-    informative = arr_den[cols] > MIN_WEIGHT  # [P, k]
-    keep = informative & (anchor_distances(arr_num, arr_den, screen.anchor, rows, cols)
-                          <= screen.radius[rows].unsqueeze(1))
+    clean, scale = budgeted(arrived_den, screen.budget)
+    informative = clean > MIN_WEIGHT  # [S, k]
+    keep = (delivered.unsqueeze(2) & informative.unsqueeze(0)
+            & (anchor_distances(arrived_num, arrived_den, screen.anchor) <= screen.radius.view(-1, 1, 1)))  # [M, S, k]
     if screen.test is not None:
-        test = screen.test
+        rows, cols = delivered.nonzero(as_tuple=True)
         own = screen.clusters[rows]
-        tested = keep.gather(1, own.unsqueeze(1)).squeeze(1)
+        tested = keep[rows, cols, own]
         if bool(tested.any()):
             at = tested.nonzero().squeeze(1)
-            passed = test(rows[at], own_cluster_estimates(arr_num, arr_den, cols[at], own[at]))
-            keep[at, own[at]] = passed
-    weight = keep.to(den.dtype)
-    dropped = int((informative & ~keep).sum())
-    m = den.shape[0]
-    den_sum = torch.zeros_like(den).index_add_(0, rows, arr_den[cols] * weight)
-    ones = torch.ones_like(rows, dtype=den.dtype)
-    degree = torch.zeros(m, dtype=den.dtype, device=den.device).index_add_(0, rows, ones)
-    new_den = (den + den_sum) / _per_row(degree + 1, den)
+            passed = screen.test(rows[at], own_cluster_estimates(arrived_num, arrived_den, cols[at], own[at]))
+            keep[rows[at], cols[at], own[at]] = passed
+    dropped = int((delivered.unsqueeze(2) & informative.unsqueeze(0) & ~keep).sum())
+    weight = keep.to(den.dtype)  # [M, S, k]
+    degree = delivered.sum(1).to(den.dtype)
+    new_den = (den + (weight * clean.to(den.dtype).unsqueeze(0)).sum(1)) / _per_row(degree + 1, den)
     if screen.trim > 0:
-        est = trimmed_estimates(num, den, arr_num, arr_den, rows, cols, keep, screen.trim)
+        rows, cols = delivered.nonzero(as_tuple=True)
+        est = trimmed_estimates(num, den, arrived_num, arrived_den, rows, cols, keep[rows, cols], screen.trim)
         return {n: v * _per_row(new_den.to(v.dtype), v) for n, v in est.items()}, new_den, dropped
+    mix = weight * scale.to(den.dtype).unsqueeze(0)  # [M, S, k]: what each arrived num counts for
     out: dict[str, Tensor] = {}
     for n, v in num.items():
-        total = torch.zeros_like(v)
-        src = arr_num[n].to(v.dtype)
-        step = max(1, PAIR_CHUNK_FLOATS // max(1, v[0].numel()))
-        for lo in range(0, rows.shape[0], step):
-            r, c, w = rows[lo:lo + step], cols[lo:lo + step], weight[lo:lo + step]
-            picked = src.index_select(0, c)
-            total.index_add_(0, r, picked * _per_row(w, picked))
+        total = torch.stack([mix[:, :, j].to(v.dtype) @ _flat(arrived_num[n], j).to(v.dtype)
+                             for j in range(den.shape[1])], 1).reshape(v.shape)
         out[n] = (v + total) / _per_row(degree + 1, v)
     return out, new_den, dropped
 
