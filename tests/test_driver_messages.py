@@ -156,20 +156,25 @@ def receiver_and_peer(cfg: ExperimentConfig, broker: InMemoryBroker) -> tuple[Me
     return a, row, peer, shapes, {n: TensorSpec(s) for n, s in shapes.items()}
 
 
+def worker_0_and_forger(proven: bool) -> tuple[MessageDriver, int, InMemoryTransport]:
+    """Worker 0 of 2 (the paper rule), a client `peer` of worker 1 that neighbours it, and a transport with worker 1's
+    user (or, not `proven`, the shared one)."""
+    cfg = small_config(dfca={"variant": "paper"})
+    broker = InMemoryBroker()
+    ctx = prepare(cfg)
+    ours = list(range(0, ctx.data.num_clients, 2))
+    a = client_driver(cfg, "robust", ours, ctx.data.subset(ours), neighbours(ctx.graph),
+                      InMemoryTransport(broker, user="dfca-worker-0" if proven else "dfca"), workers=2)
+    peer = next(m for c in ours for m in a.neighbours[c] if m % 2 == 1)
+    return a, peer, InMemoryTransport(broker, user="dfca-worker-1" if proven else "dfca")
+
+
 @pytest.mark.parametrize("proven", [True, False], ids=["per-principal users", "shared user"])
 def test_a_proven_sender_flooding_junk_is_cut_off_and_no_longer_waited_for(proven: bool) -> None:
     """Worker 1's credentials flood junk under its own client's key: worker 0's driver, which sees the broker-proven
     publisher, unbinds that client from its queues and stops waiting for it. Under a shared broker user nobody can
     tell who sent the junk (a forger could frame an honest client), so nobody is cut off."""
-    cfg = small_config(dfca={"variant": "paper"})
-    broker = InMemoryBroker()
-    ctx = prepare(cfg)
-    graph = neighbours(ctx.graph)
-    ours = list(range(0, ctx.data.num_clients, 2))  # worker 0 of 2
-    a = client_driver(cfg, "robust", ours, ctx.data.subset(ours), graph,
-                      InMemoryTransport(broker, user="dfca-worker-0" if proven else "dfca"), workers=2)
-    peer = next(m for c in ours for m in a.neighbours[c] if m % 2 == 1)
-    forger = InMemoryTransport(broker, user="dfca-worker-1" if proven else "dfca")
+    a, peer, forger = worker_0_and_forger(proven)
     flood = message_driver.BLOCK_AFTER_INVALID + 5
     for _ in range(flood):
         forger.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", "worker-1", peer, 0), b"junk", {})
@@ -192,19 +197,11 @@ def test_a_proven_sender_flooding_copies_of_a_valid_message_is_cut_off(proven: b
     """Repeats of one well-formed model, published under worker 1's own client's key: the first is used, the repeats
     are duplicates, and past BLOCK_AFTER_INVALID of them in a round the sender is cut off where publishers are
     proven (a repeat the broker redelivers itself does not count)."""
-    cfg = small_config(dfca={"variant": "paper"})
-    broker = InMemoryBroker()
-    ctx = prepare(cfg)
-    graph = neighbours(ctx.graph)
-    ours = list(range(0, ctx.data.num_clients, 2))  # worker 0 of 2
-    a = client_driver(cfg, "robust", ours, ctx.data.subset(ours), graph,
-                      InMemoryTransport(broker, user="dfca-worker-0" if proven else "dfca"), workers=2)
-    peer = next(m for c in ours for m in a.neighbours[c] if m % 2 == 1)
+    a, peer, forger = worker_0_and_forger(proven)
     row = next(r for r, c in enumerate(a.ids) if peer in a.neighbours[c])
     shapes = a.algorithm.ctx.model.shapes()
     envelope = Envelope("robust", peer, 0, "models", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
     body, headers = encode_message(envelope, {n: TensorSpec(s) for n, s in shapes.items()})
-    forger = InMemoryTransport(broker, user="dfca-worker-1" if proven else "dfca")
     a.begin_round(0)
     a.start_exchange(0)
     for _ in range(message_driver.BLOCK_AFTER_INVALID + 5):
