@@ -380,7 +380,8 @@ class ExperimentConfig(Strict):
             hidden=self.model.hidden, clients=d.clients if clients is None else clients, clusters=self.clusters,
             train_per_client=d.train_per_client, test_per_client=d.test_per_client,
             samples=d.samples_per_category * (MAX_CATEGORIES_PER_CLIENT + 1) if d.partition == "categories"
-            else None)  # categories: at most MAX_CATEGORIES_PER_CLIENT of S each, rounded up
+            else None,  # categories: at most MAX_CATEGORIES_PER_CLIENT of S each, rounded up
+            extra_copies=1 if self.algorithm == "dfca" and self.dfca.screen else 0)  # screened gossip's anchors
 
     def _check_categories(self) -> None:
         data, fedcref = self.data, self.algorithm == "fedcref"

@@ -27,13 +27,16 @@ def model_params(kind: str, inputs: int, hidden: int, classes: int) -> int:
 
 
 def estimated_run_bytes(*, dataset: str, features: str, feature_dim: int, kind: str, hidden: int, clients: int,
-                        clusters: int, train_per_client: int, test_per_client: int, samples: int | None = None) -> int:
-    """Bytes of the tensors of `clients` clients (a worker's share, or all of them)."""
+                        clusters: int, train_per_client: int, test_per_client: int, samples: int | None = None,
+                        extra_copies: int = 0) -> int:
+    """Bytes of the tensors of `clients` clients (a worker's share, or all of them); `extra_copies`: model copies
+    beyond MODEL_COPIES (screened gossip keeps last round's models)."""
     inputs, classes = DATASET_SHAPES.get(dataset, (feature_dim, clusters))
     if features == "projection" or dataset == "blobs":
         inputs = feature_dim
     per_client_samples = samples if samples is not None else train_per_client + test_per_client
-    models = clients * max(clusters, 1) * model_params(kind, inputs, hidden, classes) * 4 * MODEL_COPIES
+    copies = MODEL_COPIES + extra_copies
+    models = clients * max(clusters, 1) * model_params(kind, inputs, hidden, classes) * 4 * copies
     data = clients * per_client_samples * (inputs + 1) * 4
     return models + data
 

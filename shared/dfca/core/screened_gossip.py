@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 MIN_WEIGHT = 1e-3  # as core.consensus: den at or below this holds no estimate
+BLOCK_FLOATS = 1 << 25  # message estimates formed at once (128 MiB of float32)
 
 # (receiver rows [P], their estimates of their own cluster [P, ...]) -> [P] bool: keep the estimate
 EstimateTest = Callable[[Tensor, dict[str, Tensor]], Tensor]
@@ -73,9 +74,12 @@ def anchor_distances(num: Mapping[str, Tensor], den: Tensor, anchor: Mapping[str
     inv = 1.0 / den.clamp_min(MIN_WEIGHT)
     for name, a in anchor.items():
         for j in range(k):
-            e = _flat(num[name], j).to(a.dtype) * inv[:, j].to(a.dtype).unsqueeze(1)  # [S, F]
             aj = _flat(a, j)  # [M, F]
-            sq[..., j] += ((aj * aj).sum(1).unsqueeze(1) + (e * e).sum(1).unsqueeze(0) - 2 * aj @ e.T).double()
+            a_sq = (aj * aj).sum(1).unsqueeze(1)
+            step = max(1, BLOCK_FLOATS // max(1, aj.shape[1]))
+            for lo in range(0, s, step):  # the estimates of `step` messages at a time: [step, F]
+                e = _flat(num[name][lo:lo + step], j).to(a.dtype) * inv[lo:lo + step, j].to(a.dtype).unsqueeze(1)
+                sq[:, lo:lo + step, j] += (a_sq + (e * e).sum(1).unsqueeze(0) - 2 * aj @ e.T).double()
     return sq.clamp_min(0.0).sqrt()
 
 
