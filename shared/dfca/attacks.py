@@ -19,9 +19,9 @@ Consensus (`gossip`, core.consensus): ratio consensus mixes (num, den) pairs; a 
 - `inflate`: den 10^6 and num 0 (a huge weight on the zero model);
 - `zeros`: den 1 and num 0 (the zero model at an honest weight);
 - `flip`: den 1, its estimate num/den replaced by -3 times its honest estimate;
-- `reverse` (made for the screen, core.screened_gossip): an honest-looking weight (1 on the cluster it trained) and,
-  for every cluster, last round's model moved 2.5 times its own training step backwards: close to what receivers
-  agreed on, not much worse on their data, and against the direction training goes.
+- `reverse` (made for the screen, core.screened_gossip): an honest-looking weight (1 on the cluster it trained, 0 on
+  the others) on last round's model of that cluster moved 2.5 times its own training step backwards: close to
+  what receivers agreed on, not much worse on their data, and against the direction training goes.
 
 What the honest clients make of it is measured by benchmarks/byzantine.py and tests/test_byzantine.py.
 """
