@@ -133,3 +133,13 @@ def test_issue_17s_hijacks_capture_plain_consensus_but_not_the_screen(honest: di
     assert screened["rejected"] > 0 and screened["screened"] > 0, screened  # candidates refused, pairs dropped
     assert screened["test_accuracy"] >= honest["test_accuracy"] - 0.03, (screened, honest)
     assert screened["cluster_ari"] >= 0.9, screened
+
+
+@pytest.mark.slow
+def test_a_copy_of_an_installed_seed_cannot_seed_another_cluster(honest: dict[str, float]) -> None:
+    """Host 1 claims every later seeding slot with an unverifiable score and a copy of seed 0 (`duplicate`): each
+    receiver sees that the candidate predicts what seed 0 predicts on its own samples and refuses it, so the slot
+    goes to the honest farthest client and the clusters are recovered."""
+    attacked = scores(small_config(screen=True), Attack("duplicate", "none"))
+    assert attacked["rejected"] > 0, attacked
+    assert attacked["cluster_ari"] == 1.0 and attacked["test_accuracy"] >= honest["test_accuracy"] - 0.03, attacked

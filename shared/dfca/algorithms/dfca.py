@@ -52,6 +52,7 @@ from dfca.models import Params
 from dfca.wire import TensorSpec
 
 SCREEN_SAMPLES = 64  # samples per client that screened gossip's loss test evaluates an estimate on
+DUPLICATE_AGREEMENT = 0.99  # a seed candidate predicting what an installed seed predicts this often is its copy
 
 
 class DFCA(Algorithm):
@@ -186,9 +187,19 @@ class DFCA(Algorithm):
         return fold_models(self.params, self.weight, inbox.delivered, inbox.part, inbox.tensors)  # eq. 7/8
 
     def candidate_check(self, rows: Tensor, candidates: Params) -> Tensor:
-        """[R] bool: the candidate each row would keep is a finite model whose output depends on that row's inputs."""
+        """[R] bool: the candidate each row would keep is a finite model whose output depends on that row's inputs,
+        and, in slot s > 0, not a copy of a seed already installed: the farthest client's model never predicts
+        what seed j predicts on DUPLICATE_AGREEMENT of the row's samples (a liar's copy of seed 0 would make two
+        clusters one)."""
+        assert self.seeds is not None
         x = self.data().x_train.index_select(0, rows)
-        return responds_to_input(self.ctx.model.logits({n: v.to(x.device) for n, v in candidates.items()}, x))
+        logits = self.ctx.model.logits({n: v.to(x.device) for n, v in candidates.items()}, x)
+        ok = responds_to_input(logits)
+        predicted = logits.argmax(-1)
+        for j in range(self.seeds.slot):
+            seed = self.ctx.model.logits({n: v.index_select(0, rows)[:, j] for n, v in self.params.items()}, x)
+            ok &= (predicted == seed.argmax(-1)).float().mean(1) < DUPLICATE_AGREEMENT
+        return ok
 
     def end_exchange(self, ex: Exchange) -> None:
         if ex.name == "gossip":
