@@ -10,6 +10,7 @@ from the broker/ files.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import re
@@ -23,6 +24,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
+
+from dfca.broker_users import principal_records, principal_url, principals_of
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO / "k8s"
@@ -39,8 +42,12 @@ POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 RABBITMQ_CONFIG_FILE = K8S_DIR / "rabbitmq-config.yaml"
 RABBITMQ_CONFIG_NAME = "rabbitmq-config"
 BROKER_FILES = ("rabbitmq.conf", "enabled_plugins", "definitions.json")
-BROKER_PASSWORD_PLACEHOLDER = "__DFCA_BROKER_PASSWORD__"
-_PASSWORD_HASH_LINE = re.compile(r'^(?P<indent>\s*)"password_hash":\s*"[^"]*"(?P<comma>,?)$')
+BROKER_USER_RECORDS = ("users", "permissions", "topic_permissions")  # from the dfca-broker-users Secret
+
+
+def broker_records_placeholder(key: str) -> str:
+    """What stands in the ConfigMap's definitions.json for the Secret's `key` records."""
+    return f"__DFCA_BROKER_{key.upper()}__"
 
 Manifest = dict[str, Any]
 
@@ -65,21 +72,45 @@ def load_manifests(directory: Path = K8S_DIR) -> list[Manifest]:
 SECRET_SCRIPT = REPO / "scripts" / "k8s_secret.sh"
 
 
-def cluster_secret(values: Mapping[str, str] | None = None) -> Manifest:
-    """The Secret `dfca-secrets` as scripts/k8s_secret.sh creates it in a cluster (k8s/ holds none, so that
-    re-applying k8s/ cannot restore placeholders): its keys are the script's `--from-literal` keys, its values
-    `values` or test stand-ins."""
-    keys = re.findall(r"--from-literal=([a-z-]+)=", SECRET_SCRIPT.read_text())
-    password = (values or {}).get("broker-password", "test-password")
-    data = {key: (values or {}).get(key, password if key == "broker-password" else
-                                    f"amqp://dfca:{password}@rabbitmq:5672/dfca" if key == "broker-url" else
-                                    "test-token") for key in keys}
+def broker_test_password(principal: str) -> str:
+    """The stand-in broker password of a principal in the tests' Secrets."""
+    return f"test-{principal}-password"
+
+
+def worker_statefulsets(manifests: Iterable[Manifest]) -> list[Manifest]:
+    """The worker StatefulSets (one per worker ordinal), by ordinal."""
+    found = [doc for doc in manifests if doc.get("kind") == "StatefulSet"
+             and doc["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "worker"]
+    return sorted(found, key=lambda doc: int(doc["metadata"]["labels"]["dfca.dev/worker-ordinal"]))
+
+
+@functools.cache
+def _test_records(workers: int) -> dict[str, list[dict[str, Any]]]:
+    """The broker's records for the stand-in passwords, hashed once (a hash has a random salt)."""
+    return principal_records({p: broker_test_password(p) for p in principals_of(workers)})
+
+
+def _secret(name: str, data: Mapping[str, str]) -> Manifest:
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": {"name": "dfca-secrets", "namespace": "dfca"}, "stringData": data}
+            "metadata": {"name": name, "namespace": "dfca"}, "stringData": dict(data)}
 
 
-def with_cluster_secret(manifests: list[Manifest], values: Mapping[str, str] | None = None) -> list[Manifest]:
-    return [*manifests, cluster_secret(values)]
+def cluster_secrets(manifests: Iterable[Manifest]) -> list[Manifest]:
+    """The Secrets scripts/k8s_secret.sh creates in a cluster (k8s/ holds none, so that re-applying k8s/ cannot
+    restore placeholders), with test stand-ins: dfca-secrets with the script's `--from-literal` keys, the broker's
+    records (dfca.broker_users, one user per principal) and each principal's URL Secret."""
+    keys = re.findall(r"--from-literal=([a-z-]+)=", SECRET_SCRIPT.read_text())
+    workers = len(worker_statefulsets(manifests))
+    passwords = {p: broker_test_password(p) for p in principals_of(workers)}
+    records = _test_records(workers)
+    return [_secret("dfca-secrets", {key: f"test-{key}" for key in keys}),
+            _secret("dfca-broker-users", {f"{key}.json": json.dumps(value) for key, value in records.items()}),
+            *(_secret(f"dfca-broker-{p}", {"url": principal_url(p, pw, "rabbitmq", 5672)})
+              for p, pw in passwords.items())]
+
+
+def with_cluster_secrets(manifests: list[Manifest]) -> list[Manifest]:
+    return [*manifests, *cluster_secrets(manifests)]
 
 
 def find_manifest(manifests: Iterable[Manifest], kind: str, name: str) -> Manifest:
@@ -179,7 +210,10 @@ def _matches_target(doc: Manifest, target: Mapping[str, Any]) -> bool:
     group, _, version = doc["apiVersion"].rpartition("/")
     wanted = {"group": group, "version": version, "kind": doc["kind"], "name": doc["metadata"]["name"],
               "namespace": doc["metadata"].get("namespace")}
-    return all(wanted.get(field) == value for field, value in target.items())
+    labels = doc["metadata"].get("labels", {})
+    selected = all(labels.get(key) == value for key, _, value in
+                   (term.partition("=") for term in target.get("labelSelector", "").split(",") if term))
+    return selected and all(wanted.get(field) == value for field, value in target.items() if field != "labelSelector")
 
 
 def render_kustomization(directory: Path = CPU_OVERLAY_DIR) -> list[Manifest]:
@@ -192,9 +226,10 @@ def render_kustomization(directory: Path = CPU_OVERLAY_DIR) -> list[Manifest]:
     for patch in kustomization.get("patches", []):
         operations = yaml.safe_load(patch["patch"])
         hits = [i for i, doc in enumerate(docs) if _matches_target(doc, patch["target"])]
-        if len(hits) != 1:
-            raise ValueError(f"patch target {patch['target']} matched {len(hits)} resources")
-        docs[hits[0]] = apply_json_patch(docs[hits[0]], operations)
+        if not hits:
+            raise ValueError(f"patch target {patch['target']} matched no resource")
+        for hit in hits:
+            docs[hit] = apply_json_patch(docs[hit], operations)
     return docs
 
 
@@ -278,9 +313,10 @@ def resolve_env(
 class LocalEndpoints:
     """Where the cluster's services live on this machine."""
 
-    broker_url: str
+    broker_url: str  # every process connects here (a shared user); "" with broker_port
     service_ports: Mapping[str, int]  # Kubernetes Service name -> local port
     state_dir: Path  # volumes are mapped below this folder
+    broker_port: int | None = None  # each process keeps its own broker user, at 127.0.0.1:broker_port
 
 
 @dataclass(frozen=True)
@@ -344,7 +380,12 @@ def launch_spec(
     broker = urlsplit(env["DFCA_BROKER_URL"])
     if broker.hostname not in cluster_services:
         raise ValueError(f"DFCA_BROKER_URL host {broker.hostname!r} is not a Service in the manifests")
-    localized.update(DFCA_BROKER_URL=local.broker_url, DFCA_HOST="127.0.0.1", DFCA_PORT=str(port))
+    if local.broker_port is None:
+        broker_url = local.broker_url
+    else:
+        netloc = f"{broker.netloc.rpartition('@')[0]}@127.0.0.1:{local.broker_port}"
+        broker_url = urlunsplit((broker.scheme, netloc, broker.path, broker.query, broker.fragment))
+    localized.update(DFCA_BROKER_URL=broker_url, DFCA_HOST="127.0.0.1", DFCA_PORT=str(port))
     base = {key: value for key, value in os.environ.items() if not key.startswith("DFCA_")}
     return LaunchSpec(name=pod_name, argv=container_argv(container), env={**base, **localized}, port=port)
 
@@ -445,18 +486,12 @@ def compose_environment(service: Mapping[str, Any]) -> dict[str, str]:
 
 
 def template_definitions(text: str) -> str:
-    """broker/definitions.json with every user's password_hash line replaced by a plaintext
-    `password` placeholder, which the broker pod's init container fills from the Secret."""
-    lines = text.split("\n")
-    replaced = 0
-    for i, line in enumerate(lines):
-        match = _PASSWORD_HASH_LINE.match(line)
-        if match:
-            lines[i] = f'{match["indent"]}"password": "{BROKER_PASSWORD_PLACEHOLDER}"{match["comma"]}'
-            replaced += 1
-    if replaced != 1:
-        raise ValueError(f"expected one password_hash line in definitions.json, found {replaced}")
-    return "\n".join(lines)
+    """broker/definitions.json with its users, permissions and topic permissions replaced by placeholders,
+    which the broker pod's init container fills from the dfca-broker-users Secret (no shared user)."""
+    document = json.loads(text)
+    for key in BROKER_USER_RECORDS:
+        document[key] = broker_records_placeholder(key)
+    return json.dumps(document, indent=2) + "\n"
 
 
 def broker_configmap_data(broker_dir: Path = BROKER_DIR) -> dict[str, str]:
@@ -479,9 +514,9 @@ def _block_scalar(text: str, indent: str) -> str:
 def rabbitmq_configmap_text(broker_dir: Path = BROKER_DIR) -> str:
     header = (
         "# GENERATED from broker/ by `python tests/deploy_manifest.py --write-rabbitmq-config`; do not edit.\n"
-        "# Same bytes as the broker/ files, except that definitions.json carries the placeholder\n"
-        f"# {BROKER_PASSWORD_PLACEHOLDER} instead of the dfca user's password_hash: the rabbitmq pod's\n"
-        "# init container writes the password from the dfca-secrets Secret in its place.\n"
+        "# Same bytes as the broker/ files, except that definitions.json has placeholders for its users,\n"
+        "# permissions and topic permissions: the rabbitmq pod's init container puts the records of the\n"
+        "# dfca-broker-users Secret (one user per principal, scripts/k8s_secret.sh) in their place.\n"
     )
     body = [
         "apiVersion: v1",
@@ -499,9 +534,11 @@ def rabbitmq_configmap_text(broker_dir: Path = BROKER_DIR) -> str:
     return header + "\n".join(body) + "\n"
 
 
-def run_broker_init_container(manifests: list[Manifest], password: str, root: Path) -> subprocess.CompletedProcess:
+def run_broker_init_container(manifests: list[Manifest], secret_files: Mapping[str, str],
+                              root: Path) -> subprocess.CompletedProcess:
     """Run the broker pod's init container script here, its volumes mapped to folders below `root`:
-    the ConfigMap's files, the Secret's broker-password, and the config emptyDir (`root/config`)."""
+    the ConfigMap's files, the Secret's items (their text from `secret_files`, by key), and the config
+    emptyDir (`root/config`)."""
     broker = pod_template(find_manifest(manifests, "StatefulSet", "rabbitmq"))["spec"]
     (init,) = broker["initContainers"]
     if init["command"][:2] != ["bash", "-c"]:
@@ -517,9 +554,33 @@ def run_broker_init_container(manifests: list[Manifest], password: str, root: Pa
                 (local / key).write_text(value)
         if "secret" in volume:
             for item in volume["secret"]["items"]:
-                (local / item["path"]).write_text(password)
+                (local / item["path"]).write_text(secret_files[item["key"]])
         script = script.replace(mount["mountPath"] + "/", f"{local}/")
     return subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=False)
+
+
+def broker_secret_files(manifests: list[Manifest]) -> dict[str, str]:
+    """The dfca-broker-users Secret's files, by key."""
+    return dict(find_manifest(manifests, "Secret", "dfca-broker-users")["stringData"])
+
+
+def start_k8s_broker(manifests: list[Manifest], root: Path) -> Any:
+    """A private RabbitMQ node configured like the broker pod: its init container run here on the manifests'
+    Secrets, the rendered rabbitmq.conf and definitions loaded. Returns the started rabbitmq_node.RabbitMQNode."""
+    from rabbitmq_node import RabbitMQNode, node_config, server_bin_dir
+
+    bin_dir = server_bin_dir()
+    if bin_dir is None:
+        raise RuntimeError("RabbitMQ is not installed (scripts/install_rabbitmq.sh)")
+    rendered = run_broker_init_container(manifests, broker_secret_files(manifests), root / "pod")
+    if rendered.returncode != 0:
+        raise RuntimeError(f"the broker init container failed: {rendered.stderr}")
+    node = RabbitMQNode(root / "node", bin_dir)
+    config = root / "pod" / "config"
+    (node.base_dir / "rabbitmq.conf").write_text(node_config((config / "rabbitmq.conf").read_text(),
+                                                             config / "definitions.json"))
+    node.start()
+    return node
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,8 @@
 """The Kubernetes manifests start the real services: launch topology, metrics, the aggregator and 2
 workers locally with exactly the command and env of their pods (CPU variant, k8s/cpu), Service
-hostnames mapped to 127.0.0.1, against the local RabbitMQ, and run a tiny experiment over REST.
+hostnames mapped to 127.0.0.1, against a private RabbitMQ node configured like the broker pod (its
+init container run here), each process connected as its own broker user from its own Secret, and
+run a tiny experiment over REST.
 
 The chaos twin of scripts/chaos_k8s.sh: kill random worker processes on an interval while an
 experiment runs and restart them like the StatefulSet would (same ordinal, same checkpoint
@@ -28,12 +30,14 @@ from deploy_manifest import (
     LaunchSpec,
     LocalEndpoints,
     Manifest,
-    find_manifest,
     launch_spec,
     render_kustomization,
     service_ports,
-    with_cluster_secret,
+    start_k8s_broker,
+    with_cluster_secrets,
+    worker_statefulsets,
 )
+from rabbitmq_node import RabbitMQNodeError
 
 from dfca.config import parse_config
 
@@ -145,26 +149,31 @@ def _on_path(program: str, env: dict[str, str]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def cluster(rabbitmq_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    manifests = with_cluster_secret(render_kustomization(CPU_OVERLAY_DIR))  # no GPU here: the CPU variant
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    manifests = with_cluster_secrets(render_kustomization(CPU_OVERLAY_DIR))  # no GPU here: the CPU variant
     root = tmp_path_factory.mktemp("deploy-local")
+    try:
+        broker = start_k8s_broker(manifests, root / "broker")
+    except (RuntimeError, RabbitMQNodeError) as err:
+        pytest.fail(str(err))
     ports = {name: free_port() for name in service_ports(manifests)}
-    endpoints = LocalEndpoints(broker_url=rabbitmq_url, service_ports=ports, state_dir=root / "volumes")
+    endpoints = LocalEndpoints(broker_url="", service_ports=ports, state_dir=root / "volumes", broker_port=broker.port)
     logs = root / "logs"
     logs.mkdir()
     local = LocalCluster(manifests, endpoints, logs)
     try:
         for name in DEPLOYMENTS:
             local.start(launch_spec(manifests, name, endpoints, local_port=ports[name]))
-        replicas = find_manifest(manifests, "StatefulSet", "worker")["spec"]["replicas"]
-        assert replicas == 2, "the launch test runs the manifests' 2 workers"
-        for ordinal in range(replicas):
-            local.start(launch_spec(manifests, "worker", endpoints, ordinal=ordinal, local_port=free_port()))
+        workers = worker_statefulsets(manifests)
+        assert len(workers) == 2, "the launch test runs the manifests' 2 workers"
+        for worker in workers:
+            local.start(launch_spec(manifests, worker["metadata"]["name"], endpoints, local_port=free_port()))
         for name in list(local.specs):
             local.wait_ready(name)
         yield local
     finally:
         local.stop_all()
+        broker.stop()
 
 
 def api_headers(cluster: LocalCluster) -> dict[str, str]:

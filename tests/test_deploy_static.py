@@ -3,6 +3,8 @@ the Dockerfile are valid, and stay true to the code (entry points, env vars, por
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import re
@@ -11,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ import yaml
 from deploy_manifest import (
     BROKER_DIR,
     BROKER_FILES,
-    BROKER_PASSWORD_PLACEHOLDER,
+    BROKER_USER_RECORDS,
     COMPOSE_FILE,
     COMPOSE_GPU_FILE,
     CPU_OVERLAY_DIR,
@@ -30,7 +33,8 @@ from deploy_manifest import (
     SECRET_SCRIPT,
     Manifest,
     broker_configmap_data,
-    cluster_secret,
+    broker_records_placeholder,
+    broker_secret_files,
     compose_argv,
     compose_environment,
     container_argv,
@@ -48,10 +52,12 @@ from deploy_manifest import (
     resolve_env,
     run_broker_init_container,
     selector_matches,
-    with_cluster_secret,
+    with_cluster_secrets,
+    worker_statefulsets,
     workloads,
 )
 
+from dfca import principals
 from dfca.devices import DeviceUnavailable, worker_device
 from dfca.settings import DEFAULT_PORTS, ENV_VARS
 
@@ -64,12 +70,12 @@ API_COMPONENTS = {"topology": 8080, "metrics": 8081}
 
 @pytest.fixture(scope="module")
 def gpu_manifests() -> list[Manifest]:
-    return with_cluster_secret(load_manifests(K8S_DIR))
+    return with_cluster_secrets(load_manifests(K8S_DIR))
 
 
 @pytest.fixture(scope="module")
 def cpu_manifests() -> list[Manifest]:
-    return with_cluster_secret(render_kustomization(CPU_OVERLAY_DIR))
+    return with_cluster_secrets(render_kustomization(CPU_OVERLAY_DIR))
 
 
 @pytest.fixture(scope="module", params=["gpu", "cpu"])
@@ -296,35 +302,128 @@ def test_no_manifest_holds_a_secret_that_reapplying_would_restore() -> None:
     assert "change-me" not in "".join(p.read_text() for p in K8S_DIR.rglob("*.yaml"))
 
 
-def test_the_secret_script_creates_random_values_once(tmp_path: Path) -> None:
-    """Run against a stand-in kubectl: random values on the first run, the existing Secret kept on the next."""
-    state, calls = tmp_path / "secret-exists", tmp_path / "calls"
-    kubectl = tmp_path / "bin" / "kubectl"
-    kubectl.parent.mkdir()
-    kubectl.write_text(f"""#!/usr/bin/env bash
-echo "$*" >> {calls}
-if [ "$3" = get ]; then [ -e {state} ]; exit $?; fi
-if [ "$3" = create ]; then touch {state}; fi
-""")
-    kubectl.chmod(0o755)
-    env = {**os.environ, "PATH": f"{kubectl.parent}:{os.environ['PATH']}"}
-    for _ in range(2):
-        run = subprocess.run(["bash", str(SECRET_SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+FAKE_KUBECTL = """#!/usr/bin/env bash
+# A stand-in kubectl keeping Secrets as folders below $STATE: `-n NS get|create|label|delete secret ...`.
+set -euo pipefail
+echo "$*" >> "$STATE/calls"
+shift 2
+verb="$1"; shift
+case "$verb" in
+  get) [ -d "$STATE/$2" ] ;;
+  create)
+    name="$3"; shift 3; mkdir "$STATE/$name"
+    for arg in "$@"; do
+      case "$arg" in
+        --from-literal=*) kv="${arg#--from-literal=}"; printf '%s' "${kv#*=}" > "$STATE/$name/${kv%%=*}" ;;
+        --from-file=*) kv="${arg#--from-file=}"; cp "${kv#*=}" "$STATE/$name/${kv%%=*}" ;;
+      esac
+    done ;;
+  label) name="$2"; [ -d "$STATE/$name" ]; shift 2; printf '%s\\n' "$@" >> "$STATE/$name.labels" ;;
+  delete) for d in "$STATE"/dfca-broker-*/; do [ -d "$d" ] && rm -r "$d"; done; true ;;
+esac
+"""
+
+
+def run_secret_script(tmp_path: Path, workers: int | None = None) -> subprocess.CompletedProcess[str]:
+    bin_dir, state = tmp_path / "bin", tmp_path / "state"
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        state.mkdir()
+        (bin_dir / "kubectl").write_text(FAKE_KUBECTL)
+        (bin_dir / "kubectl").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STATE": str(state), "PYTHON": sys.executable}
+    if workers is not None:
+        env["WORKERS"] = str(workers)
+    return subprocess.run(["bash", str(SECRET_SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_secret_script_makes_tokens_and_one_broker_user_per_principal_once(tmp_path: Path,
+                                                                               gpu_manifests: list[Manifest]) -> None:
+    """Against a stand-in kubectl: random tokens and a broker user per principal on the first run (each URL's
+    password is the one whose hash the broker loads); everything kept on the next; a different number of workers
+    refused with how to re-size."""
+    first = run_secret_script(tmp_path)
+    assert first.returncode == 0, first.stderr
+    state = tmp_path / "state"
+    tokens = {f.name: f.read_text() for f in (state / "dfca-secrets").iterdir()}
+    assert set(tokens) == set(find_manifest(gpu_manifests, "Secret", "dfca-secrets")["stringData"])
+    assert all(re.fullmatch(r"[0-9a-f]{64}", value) for value in tokens.values()) and len(set(tokens.values())) == 2
+    workers = len(worker_statefulsets(gpu_manifests))
+    wanted = {*principals.SERVICES, *(principals.worker(i) for i in range(workers))}
+    assert {d.name for d in state.iterdir() if d.is_dir()} == {"dfca-secrets", "dfca-broker-users",
+                                                                 *(f"dfca-broker-{p}" for p in wanted)}
+    records = {f.name: json.loads(f.read_text()) for f in (state / "dfca-broker-users").iterdir()}
+    assert set(records) == set(broker_secret_files(gpu_manifests))
+    hashes = {user["name"]: user["password_hash"] for user in records["users.json"]}
+    for principal in wanted:
+        url = urlsplit((state / f"dfca-broker-{principal}" / "url").read_text())
+        assert (url.hostname, url.port, url.path, url.username) == ("rabbitmq", 5672, "/dfca",
+                                                                  principals.user_of(principal))
+        salt_and_digest = base64.b64decode(hashes[url.username])
+        salt = salt_and_digest[:4]
+        assert hashlib.sha256(salt + unquote(url.password).encode()).digest() == salt_and_digest[4:]
+        assert "dfca.dev/broker-users=true" in (state / f"dfca-broker-{principal}.labels").read_text()
+    calls = (state / "calls").read_text()
+    again = run_secret_script(tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "kept as it is" in again.stdout and "kept as they are" in again.stdout
+    assert " create " not in (state / "calls").read_text()[len(calls):]
+    resized = run_secret_script(tmp_path, workers=workers + 1)
+    assert resized.returncode != 0 and "delete secret -l dfca.dev/broker-users=true" in resized.stderr
+
+
+def test_each_workload_holds_only_its_own_broker_user(manifests: list[Manifest]) -> None:
+    """Topology, metrics, the aggregator and each worker read their own dfca-broker-<principal> Secret and no
+    other; only the broker mounts the users' records."""
+    for workload in workloads(manifests):
+        name = workload["metadata"]["name"]
+        referenced = {ref["secretKeyRef"]["name"] for container in pod_containers(workload)
+                      for ref in (e.get("valueFrom", {}) for e in container.get("env", [])) if "secretKeyRef" in ref}
+        volumes = pod_template(workload)["spec"].get("volumes", [])
+        mounted = {v["secret"]["secretName"] for v in volumes if "secret" in v}
+        broker_secrets = {s for s in referenced | mounted if s.startswith("dfca-broker-")}
+        expected = {"rabbitmq": {"dfca-broker-users"}}.get(name, {f"dfca-broker-{name}"})
+        assert broker_secrets == expected, name
+        if name != "rabbitmq":
+            (container,) = dfca_containers(workload)
+            url = urlsplit(resolve_env(container, manifests, {})["DFCA_BROKER_URL"])
+            assert url.username == principals.user_of(name)
+
+
+def test_k8s_workers_script_sets_the_number_of_worker_statefulsets(tmp_path: Path) -> None:
+    """scripts/k8s_workers.py N: N copies of worker-0's StatefulSet, each its own ordinal and broker user, and
+    DFCA_WORKERS; with the committed number it changes nothing."""
+    shutil.copytree(K8S_DIR, tmp_path / "k8s")
+    script = REPO / "scripts" / "k8s_workers.py"
+    committed = len(worker_statefulsets(load_manifests(K8S_DIR)))
+    for workers in (committed, 3, 1):
+        run = subprocess.run([sys.executable, str(script), str(workers), "--k8s-dir", str(tmp_path / "k8s")],
+                             capture_output=True, text=True, timeout=60)
         assert run.returncode == 0, run.stderr
-    creates = [line for line in calls.read_text().splitlines() if " create secret " in line]
-    assert len(creates) == 1 and "kept as it is" in run.stdout
-    literals = dict(re.findall(r"--from-literal=([a-z-]+)=(\S+)", creates[0]))
-    password, token = literals["broker-password"], literals["api-token"]
-    assert re.fullmatch(r"[0-9a-f]{48}", password) and re.fullmatch(r"[0-9a-f]{64}", token)
-    assert literals["broker-url"] == f"amqp://dfca:{password}@rabbitmq:5672/dfca"
-    assert set(literals) == set(cluster_secret()["stringData"])
+        if workers == committed:
+            for name in ("worker.yaml", "config.yaml"):
+                assert (tmp_path / "k8s" / name).read_text() == (K8S_DIR / name).read_text()
+        docs = load_manifests(tmp_path / "k8s")
+        statefulsets = worker_statefulsets(docs)
+        assert [s["metadata"]["name"] for s in statefulsets] == [f"worker-{i}" for i in range(workers)]
+        assert find_manifest(docs, "ConfigMap", "dfca-config")["data"]["DFCA_WORKERS"] == str(workers)
+        with_secrets = with_cluster_secrets(docs)
+        for ordinal, statefulset in enumerate(statefulsets):
+            (container,) = pod_template(statefulset)["spec"]["containers"]
+            env = resolve_env(container, with_secrets, {})
+            assert env["DFCA_WORKER_ORDINAL"] == str(ordinal)
+            assert urlsplit(env["DFCA_BROKER_URL"]).username == principals.user_of(principals.worker(ordinal))
+    bad = subprocess.run([sys.executable, str(script), "0", "--k8s-dir", str(tmp_path / "k8s")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "1..1000" in bad.stderr
 
 
 # ---------------------------------------------------------------- workers, GPU and CPU
 
 
 def worker_statefulset(manifests: list[Manifest]) -> Manifest:
-    return find_manifest(manifests, "StatefulSet", "worker")
+    """Worker 0's StatefulSet (the others are its copies: test_each_worker_is_one_statefulset_of_one_ordinal)."""
+    return worker_statefulsets(manifests)[0]
 
 
 def test_gpu_workers_request_select_and_tolerate_gpus(gpu_manifests: list[Manifest]) -> None:
@@ -358,8 +457,11 @@ def test_cpu_workers_neither_request_nor_select_gpus(cpu_manifests: list[Manifes
     gpu_container["image"] = container["image"]
     next(e for e in gpu_container["env"] if e["name"] == "DFCA_DEVICE")["value"] = "cpu"
     assert gpu_spec == spec
-    others_cpu = [d for d in cpu_manifests if d is not cpu_worker]
-    others_gpu = [d for d in gpu_manifests if not (d["kind"] == "StatefulSet" and d["metadata"]["name"] == "worker")]
+    cpu_workers, gpu_workers = worker_statefulsets(cpu_manifests), worker_statefulsets(gpu_manifests)
+    assert [w["metadata"]["name"] for w in cpu_workers] == [w["metadata"]["name"] for w in gpu_workers]
+    assert all("nvidia" not in json.dumps(w) for w in cpu_workers)
+    others_cpu = [d for d in cpu_manifests if not any(d is w for w in cpu_workers)]
+    others_gpu = [d for d in gpu_manifests if not any(d is w for w in gpu_workers)]
     assert sorted(map(json.dumps, others_cpu)) == sorted(map(json.dumps, others_gpu))
 
 
@@ -384,19 +486,30 @@ def test_the_manifests_device_is_where_a_worker_computes(cpu_manifests: list[Man
         worker_device("cpu", gpu_env["DFCA_DEVICE"])
 
 
-def test_workers_take_their_shard_from_the_pod_index(manifests: list[Manifest]) -> None:
-    worker = worker_statefulset(manifests)
-    (container,) = pod_template(worker)["spec"]["containers"]
-    ordinal = next(e for e in container["env"] if e["name"] == "DFCA_WORKER_ORDINAL")
-    assert ordinal["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.labels['{POD_INDEX_LABEL}']"
-    env = resolve_env(container, manifests, {POD_INDEX_LABEL: "1"})
-    assert env["DFCA_WORKER_ORDINAL"] == "1"
-    assert int(env["DFCA_WORKERS"]) == worker["spec"]["replicas"]
-    claims = {t["metadata"]["name"] for t in worker["spec"]["volumeClaimTemplates"]}
-    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    assert mounts[env["DFCA_CHECKPOINT_DIR"]] in claims
-    headless = find_manifest(manifests, "Service", worker["spec"]["serviceName"])
-    assert headless["spec"]["clusterIP"] == "None"
+def test_each_worker_is_one_statefulset_of_one_ordinal(manifests: list[Manifest]) -> None:
+    """One StatefulSet of one pod per worker ordinal (a StatefulSet's pods share a template, so one for all would
+    give every worker every worker's broker user), numbered 0..DFCA_WORKERS-1, each selecting only its own pod,
+    all copies of worker 0's apart from the ordinal."""
+    statefulsets = worker_statefulsets(manifests)
+    config = find_manifest(manifests, "ConfigMap", "dfca-config")["data"]
+    assert len(statefulsets) == int(config["DFCA_WORKERS"]) >= 2
+    template = json.dumps(statefulsets[0])
+    for ordinal, worker in enumerate(statefulsets):
+        assert worker["metadata"]["name"] == f"worker-{ordinal}" and worker["spec"]["replicas"] == 1
+        assert json.dumps(worker) == template.replace("worker-0", f"worker-{ordinal}").replace(
+            '"dfca.dev/worker-ordinal": "0"', f'"dfca.dev/worker-ordinal": "{ordinal}"').replace(
+            '"name": "DFCA_WORKER_ORDINAL", "value": "0"', f'"name": "DFCA_WORKER_ORDINAL", "value": "{ordinal}"')
+        (container,) = pod_template(worker)["spec"]["containers"]
+        env = resolve_env(container, manifests, {})
+        assert env["DFCA_WORKER_ORDINAL"] == str(ordinal)
+        others = [pod_template(w)["metadata"]["labels"] for w in statefulsets if w is not worker]
+        assert selector_matches(worker["spec"]["selector"], pod_template(worker)["metadata"]["labels"])
+        assert not any(selector_matches(worker["spec"]["selector"], labels) for labels in others)
+        claims = {t["metadata"]["name"] for t in worker["spec"]["volumeClaimTemplates"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert mounts[env["DFCA_CHECKPOINT_DIR"]] in claims
+        headless = find_manifest(manifests, "Service", worker["spec"]["serviceName"])
+        assert headless["spec"]["clusterIP"] == "None"
 
 
 def test_compose_workers_have_distinct_ordinals_and_volumes(compose: dict[str, Any],
@@ -475,8 +588,9 @@ def test_every_container_has_resource_requests_and_limits(manifests: list[Manife
 
 def test_pdb_keeps_all_but_one_worker(manifests: list[Manifest]) -> None:
     pdbs = [doc for doc in manifests if doc["kind"] == "PodDisruptionBudget"]
-    worker_labels = pod_template(worker_statefulset(manifests))["metadata"]["labels"]
-    covering = [pdb for pdb in pdbs if selector_matches(pdb["spec"]["selector"], worker_labels)]
+    covering = [pdb for pdb in pdbs
+                if all(selector_matches(pdb["spec"]["selector"], pod_template(w)["metadata"]["labels"])
+                       for w in worker_statefulsets(manifests))]
     assert len(covering) == 1
     assert covering[0]["spec"]["maxUnavailable"] == 1
 
@@ -534,11 +648,11 @@ def test_rabbitmq_configmap_is_the_broker_files_byte_for_byte(gpu_manifests: lis
         if name != "definitions.json":
             assert data[name] == original
             continue
-        ours, theirs = data[name].split("\n"), original.split("\n")
-        assert len(ours) == len(theirs)
-        differing = [(a, b) for a, b in zip(ours, theirs, strict=True) if a != b]
-        assert len(differing) == 1
-        assert BROKER_PASSWORD_PLACEHOLDER in differing[0][0] and '"password_hash"' in differing[0][1]
+        ours, theirs = json.loads(data[name]), json.loads(original)
+        for key in BROKER_USER_RECORDS:  # no shared user: the Secret's principals stand here
+            assert ours.pop(key) == broker_records_placeholder(key)
+            theirs.pop(key)
+        assert ours == theirs
 
 
 def test_rabbitmq_reads_the_config_where_it_is_mounted(gpu_manifests: list[Manifest],
@@ -559,26 +673,29 @@ def test_rabbitmq_reads_the_config_where_it_is_mounted(gpu_manifests: list[Manif
     assert "rabbitmq_prometheus" in (BROKER_DIR / "enabled_plugins").read_text()
 
 
-def test_rabbitmq_init_container_writes_the_secret_password_into_definitions(
+def test_rabbitmq_init_container_puts_the_principals_into_definitions(
         gpu_manifests: list[Manifest], tmp_path: Path) -> None:
-    result = run_broker_init_container(gpu_manifests, "Pa55.word_~-x", tmp_path)
+    files = broker_secret_files(gpu_manifests)
+    result = run_broker_init_container(gpu_manifests, files, tmp_path)
     assert result.returncode == 0, result.stderr
     rendered = tmp_path / "config"
     definitions = json.loads((rendered / "definitions.json").read_text())
-    (user,) = definitions["users"]
-    assert user["name"] == "dfca" and user["password"] == "Pa55.word_~-x" and "password_hash" not in user
+    for key in BROKER_USER_RECORDS:
+        assert definitions[key] == json.loads(files[f"{key}.json"])
+    assert "dfca" not in {user["name"] for user in definitions["users"]}
     original = json.loads((BROKER_DIR / "definitions.json").read_text())
-    for key in ("vhosts", "permissions", "exchanges", "queues", "bindings"):
+    for key in ("vhosts", "exchanges", "queues", "bindings", "policies"):
         assert definitions[key] == original[key]
     for name in ("rabbitmq.conf", "enabled_plugins"):
         assert (rendered / name).read_bytes() == (BROKER_DIR / name).read_bytes()
 
 
-@pytest.mark.parametrize("password", ["", 'quote"break', "back\\slash", "at@sign"])
-def test_rabbitmq_init_container_refuses_passwords_that_break_json_or_urls(
-        gpu_manifests: list[Manifest], tmp_path: Path, password: str) -> None:
-    result = run_broker_init_container(gpu_manifests, password, tmp_path)
-    assert result.returncode != 0
+@pytest.mark.parametrize("records", ["", '{"name": "x"}', "null", "[1] trailing"])
+def test_rabbitmq_init_container_refuses_records_that_are_not_json_arrays(
+        gpu_manifests: list[Manifest], tmp_path: Path, records: str) -> None:
+    files = {**broker_secret_files(gpu_manifests), "permissions.json": records}
+    result = run_broker_init_container(gpu_manifests, files, tmp_path)
+    assert result.returncode != 0 and "scripts/k8s_secret.sh" in result.stderr
     assert not (tmp_path / "config" / "definitions.json").exists()
 
 

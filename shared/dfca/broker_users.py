@@ -28,12 +28,14 @@ Command line:
     python -m dfca.broker_users definitions --workers 3 --out .dfca/broker-users.json > definitions.json
     python -m dfca.broker_users definitions --workers 3 --host rabbitmq --out .dfca/broker-users.json \
         --compose-env .env > .dfca/broker-definitions.json     # scripts/compose_broker_users.sh
+    python -m dfca.broker_users k8s --workers 2 --out-dir DIR  # scripts/k8s_secret.sh
 `create` makes (or re-passwords) the users with fresh random passwords through `rabbitmqctl` and writes each
 principal's AMQP URL to `--out` (mode 600); `dfca up --broker-users FILE` runs every process as its own user.
 `definitions` prints a broker definitions document (broker/definitions.json plus the principals' users and
 permissions, password hashes only) for a broker that loads definitions at boot (Docker Compose, Kubernetes);
 `--compose-env` also sets DFCA_BROKER_URL_<PRINCIPAL> and DFCA_BROKER_DEFINITIONS in an env file that
-docker-compose.yml reads.
+docker-compose.yml reads. `k8s` writes the files scripts/k8s_secret.sh makes Kubernetes Secrets of (the broker's
+user records without any shared user, and one URL file per principal).
 """
 
 from __future__ import annotations
@@ -162,18 +164,46 @@ def rabbitmqctl_commands(principal: str, password: str, vhost: str = VHOST) -> l
     return commands
 
 
+def principal_records(passwords: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+    """The definitions' `users`, `permissions` and `topic_permissions` of the principals (password hashes)."""
+    records: dict[str, list[dict[str, Any]]] = {"users": [], "permissions": [], "topic_permissions": []}
+    for principal, password in passwords.items():
+        user, rights = principals.user_of(principal), permissions_of(principal)
+        records["users"].append({"name": user, "password_hash": rabbitmq_password_hash(password),
+                                 "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": [], "limits": {}})
+        records["permissions"].append({"user": user, "vhost": VHOST, "configure": rights.configure,
+                                       "write": rights.write, "read": rights.read})
+        records["topic_permissions"] += [{"user": user, "vhost": VHOST, "exchange": exchange, "write": write,
+                                          "read": read} for exchange, (write, read) in rights.topics.items()]
+    return records
+
+
 def definitions(passwords: dict[str, str]) -> dict[str, Any]:
     """broker/definitions.json's document plus a user per principal (password hashes), with its rights."""
     document = broker_definitions(rabbitmq_password_hash(os.environ.get("DFCA_BROKER_PASSWORD", "dfca")))
-    for principal, password in passwords.items():
-        user, rights = principals.user_of(principal), permissions_of(principal)
-        document["users"].append({"name": user, "password_hash": rabbitmq_password_hash(password),
-                                  "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": [], "limits": {}})
-        document["permissions"].append({"user": user, "vhost": VHOST, "configure": rights.configure,
-                                        "write": rights.write, "read": rights.read})
-        document["topic_permissions"] += [{"user": user, "vhost": VHOST, "exchange": exchange, "write": write,
-                                           "read": read} for exchange, (write, read) in rights.topics.items()]
+    for key, records in principal_records(passwords).items():
+        document[key] += records
     return document
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable by this user only (it holds a password or a hash)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    tmp.replace(path)
+
+
+def write_k8s_files(directory: Path, passwords: dict[str, str], host: str, port: int) -> None:
+    """What scripts/k8s_secret.sh turns into Secrets: the broker's `users.json`, `permissions.json` and
+    `topic_permissions.json` (JSON arrays the broker pod's init container puts into its definitions; no
+    shared user) and each principal's AMQP URL in `url-<principal>`."""
+    for key, records in principal_records(passwords).items():
+        write_private(directory / f"{key}.json", json.dumps(records, indent=2) + "\n")
+    for principal, password in passwords.items():
+        write_private(directory / f"url-{principal}", principal_url(principal, password, host, port))
 
 
 def principal_url(principal: str, password: str, host: str, port: int, vhost: str = VHOST,
@@ -184,12 +214,7 @@ def principal_url(principal: str, password: str, host: str, port: int, vhost: st
 
 def write_urls(path: Path, urls: dict[str, str]) -> None:
     """The principals' URLs (they hold passwords): readable by this user only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(urls, f, indent=2)
-    tmp.replace(path)
+    write_private(path, json.dumps(urls, indent=2))
 
 
 def read_urls(path: Path) -> dict[str, str]:
@@ -223,11 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dfca.broker_users", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    for name in ("create", "definitions"):
+    for name in ("create", "definitions", "k8s"):
         sub = commands.add_parser(name)
         sub.add_argument("--workers", type=int, required=True, help="worker ordinals 0..N-1 get a user each")
-        sub.add_argument("--out", type=Path, required=True, help="where the principals' AMQP URLs go (mode 600)")
-        sub.add_argument("--host", default="127.0.0.1", help="broker host in the URLs")
+        if name == "k8s":
+            sub.add_argument("--out-dir", type=Path, required=True,
+                             help="where the broker's records and each principal's url-<principal> go (mode 600)")
+        else:
+            sub.add_argument("--out", type=Path, required=True, help="where the principals' AMQP URLs go (mode 600)")
+        sub.add_argument("--host", default="rabbitmq" if name == "k8s" else "127.0.0.1", help="broker host in the URLs")
         sub.add_argument("--port", type=int, default=5672)
     commands.choices["create"].add_argument("--rabbitmqctl", default="rabbitmqctl",
                                             help="how to run rabbitmqctl (e.g. 'sudo rabbitmqctl -n rabbit@host')")
@@ -240,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.workers <= 1000:
         parser.error("--workers must be 1..1000")
     passwords = {p: secrets.token_urlsafe(24) for p in principals_of(args.workers)}
+    if args.command == "k8s":
+        write_k8s_files(args.out_dir, passwords, args.host, args.port)
+        print(f"{len(passwords)} broker users; their records and URLs are in {args.out_dir}", file=sys.stderr)
+        return 0
     if args.command == "create":
         ctl = shlex.split(args.rabbitmqctl)
         for principal, password in passwords.items():
