@@ -1,0 +1,171 @@
+"""How the simulator's cost grows with the number of clients: seconds per round and peak memory.
+
+    python benchmarks/scale_curve.py [--clients 100,300,1000,3000,10000] [--rounds 3] [--degree 10]
+                                     [--out runs/scale_curve]
+
+The workload of benchmarks/simulator_round.py (rotated MNIST bundled, k=2, MLP h=200, 80 training samples per
+client, 5 local epochs, batch 10, lr 0.1) under today's default algorithm (robust DFCA: farthest-first
+seeding, then ratio consensus), on an Erdos-Renyi graph with `--degree` expected neighbours per client (p =
+degree / (N - 1)), so that a client's traffic stays the same as N grows. `dfca.warmup_rounds` is 1, so that
+`--rounds 3` measures one warm-up round (10 gossip steps) and two later rounds (3 steps), after the seeding
+rounds. Each N runs in a process of its own: its peak resident memory is that process's ru_maxrss. A config
+whose estimated tensors exceed this machine's available memory is refused by the simulator before it
+allocates; the table says so, with the estimate.
+
+Writes `runs.jsonl` (one line per N) and `table.md` (with the commit and the machine's load) under --out, and
+prints the table. No figure here is asserted by a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCHMARKS = Path(__file__).resolve().parent
+REPO = BENCHMARKS.parent
+
+
+def config(clients: int, rounds: int, degree: float, hidden: int) -> dict[str, Any]:
+    return {
+        "name": f"scale-{clients}", "clusters": 2, "rounds": rounds, "seed": 0, "eval_every": 1,
+        "data": {"dataset": "mnist-bundled", "rotations": [0, 180], "clients": clients, "train_per_client": 80,
+                 "test_per_client": 10},
+        "model": {"kind": "mlp", "hidden": hidden},
+        "train": {"lr": 0.1, "local_epochs": 5, "batch_size": 10},
+        "topology": {"kind": "erdos_renyi", "p": min(1.0, degree / max(clients - 1, 1))},
+        "dfca": {"warmup_rounds": 1},
+    }
+
+
+def measure_one(clients: int, rounds: int, degree: float, hidden: int) -> dict[str, Any]:
+    """Run one N here and return its figures (called in a child process)."""
+    import torch
+
+    from dfca.config import ExperimentConfig
+    from dfca.run_size import RunTooLarge, gib
+    from dfca.simulator import simulate
+
+    cfg = ExperimentConfig.model_validate(config(clients, rounds, degree, hidden))
+    row: dict[str, Any] = {"clients": clients, "estimated_bytes": cfg.estimated_bytes(),
+                           "threads": torch.get_num_threads()}
+    phases: dict[str, list[float]] = {}
+
+    def on_round(record: dict[str, Any]) -> None:  # the first training round is the (only) warm-up round
+        phase = record["phase"]
+        if phase == "training" and "warmup" not in phases:
+            phase = "warmup"
+        phases.setdefault(phase, []).append(record["seconds"])
+
+    start = time.perf_counter()
+    try:
+        result = simulate(cfg, on_round=on_round)
+    except RunTooLarge as err:
+        row.update(refused=str(err), estimate=gib(cfg.estimated_bytes()))
+        return row
+    row.update(
+        seconds_total=time.perf_counter() - start,
+        rounds_by_phase={phase: len(seconds) for phase, seconds in phases.items()},
+        seconds_per_round={phase: sum(seconds) / len(seconds) for phase, seconds in phases.items()},
+        test_accuracy=result.summary["test_accuracy"], cluster_ari=result.summary["cluster_ari"],
+        bytes_sent_per_client_per_round=result.summary["bytes_sent_per_client_per_round"],
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
+    return row
+
+
+def run_child(clients: int, args: argparse.Namespace) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--one", str(clients), "--rounds", str(args.rounds), "--degree",
+               str(args.degree), "--hidden", str(args.hidden)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"clients": clients, "failed": f"did not finish in {args.timeout} s"}
+    if done.returncode != 0:
+        return {"clients": clients, "failed": (done.stderr.strip().splitlines() or ["?"])[-1][-300:],
+                "returncode": done.returncode}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True).stdout.strip()
+    return done.stdout.strip() + ("+changes" if dirty else "")
+
+
+def seconds(row: dict[str, Any], phase: str) -> str:
+    value = row.get("seconds_per_round", {}).get(phase)
+    return "" if value is None else f"{value:.2f}"
+
+
+def table(rows: list[dict[str, Any]], args: argparse.Namespace, load_before: str, load_after: str) -> str:
+    lines = [
+        f"`python benchmarks/scale_curve.py --clients {args.clients} --rounds {args.rounds} --degree {args.degree} "
+        f"--hidden {args.hidden}` at commit {commit()}, one process per N ({rows[0].get('threads', '?')} torch "
+        f"threads); load average before {load_before}, after {load_after}.",
+        "",
+        "| clients N | seeding round (s) | warm-up round, 10 gossip steps (s) | later round, 3 steps (s) | "
+        "peak memory | estimate | accuracy | ARI | MB sent per client per round |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        n = f"{row['clients']:,}"
+        if "refused" in row:
+            lines.append(f"| {n} | refused before allocating: {row['refused']} |||||||| ")
+            continue
+        if "failed" in row:
+            lines.append(f"| {n} | failed: {row['failed']} |||||||| ")
+            continue
+        lines.append(
+            f"| {n} | {seconds(row, 'seeding')} | {seconds(row, 'warmup')} | {seconds(row, 'training')} | "
+            f"{row['peak_rss_bytes'] / 2**30:.2f} GiB | {row['estimated_bytes'] / 2**30:.2f} GiB | "
+            f"{row['test_accuracy']:.3f} | {row['cluster_ari']:.2f} | "
+            f"{row['bytes_sent_per_client_per_round'] / 1e6:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", default="100,300,1000,3000,10000", help="comma-separated N")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds after seeding (the first is the warm-up)")
+    parser.add_argument("--degree", type=float, default=10.0, help="expected neighbours per client")
+    parser.add_argument("--hidden", type=int, default=200)
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one N may take")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "scale_curve")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # child: measure this N, print JSON
+    args = parser.parse_args()
+    if args.one is not None:
+        print(json.dumps(measure_one(args.one, args.rounds, args.degree, args.hidden)))
+        return 0
+    sizes = [int(n) for n in args.clients.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    load_before = load_average()
+    rows = []
+    with (args.out / "runs.jsonl").open("a") as runs:
+        for clients in sizes:
+            t0 = time.perf_counter()
+            row = run_child(clients, args)
+            row.update(commit=commit(), load=load_average())
+            rows.append(row)
+            runs.write(json.dumps(row) + "\n")
+            runs.flush()
+            print(f"N={clients}: {time.perf_counter() - t0:.0f} s", row.get("seconds_per_round", row), flush=True)
+    text = table(rows, args, load_before, load_average())
+    (args.out / "table.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
