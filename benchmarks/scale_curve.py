@@ -89,7 +89,7 @@ def run_child(clients: int, args: argparse.Namespace) -> dict[str, Any]:
         return {"clients": clients, "failed": f"did not finish in {args.timeout} s"}
     if done.returncode != 0:
         return {"clients": clients, "failed": (done.stderr.strip().splitlines() or ["?"])[-1][-300:],
-                "returncode": done.returncode}
+                "returncode": done.returncode, "estimated_bytes": 0}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -115,20 +115,20 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, load_before: str
         "peak memory | estimate | accuracy | ARI | MB sent per client per round |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    notes: list[str] = []
     for row in rows:
         n = f"{row['clients']:,}"
-        if "refused" in row:
-            lines.append(f"| {n} | refused before allocating: {row['refused']} |||||||| ")
-            continue
-        if "failed" in row:
-            lines.append(f"| {n} | failed: {row['failed']} |||||||| ")
+        if "refused" in row or "failed" in row:
+            why = f"refused before allocating: {row['refused']}" if "refused" in row else f"failed: {row['failed']}"
+            lines.append(f"| {n} | – | – | – | – | {row['estimated_bytes'] / 2**30:.2f} GiB | – | – | – |")
+            notes.append(f"N={n}: {why}")
             continue
         lines.append(
             f"| {n} | {seconds(row, 'seeding')} | {seconds(row, 'warmup')} | {seconds(row, 'training')} | "
             f"{row['peak_rss_bytes'] / 2**30:.2f} GiB | {row['estimated_bytes'] / 2**30:.2f} GiB | "
             f"{row['test_accuracy']:.3f} | {row['cluster_ari']:.2f} | "
             f"{row['bytes_sent_per_client_per_round'] / 1e6:.1f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *notes]) + "\n"
 
 
 def load_average() -> str:
