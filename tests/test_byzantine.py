@@ -16,7 +16,8 @@ import torch
 
 from dfca.attacks import Attack, top_draw
 from dfca.config import ExperimentConfig
-from dfca.core.consensus import StepConsensus, ratio_estimate
+from dfca.core.consensus import StepConsensus
+from dfca.core.ratio import ratio_estimate
 from dfca.core.screened_gossip import Screen, budgeted, screened_mix
 from dfca.core.seeding import first_slot_scores, refused_candidates, responds_to_input
 from dfca.data import build_federated_data

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from dfca.algorithms.base import Algorithm, Exchange, Outbox
+from dfca.core.ratio import MIN_WEIGHT, trailing
 from dfca.core.seeding import first_slot_scores
 
 SeedAttack = Literal["none", "inflate", "relay", "duplicate"]
@@ -119,8 +120,7 @@ def forged_gossip(attack: GossipAttack, honest: Mapping[str, Tensor], anchor: Ma
         weight = torch.nn.functional.one_hot(assigned, den.shape[1]).to(den.dtype)
         step = {n: trained[n] - anchor[n] for n in anchor}
         moved = {n: anchor[n] - 2.5 * step[n][torch.arange(assigned.shape[0]), assigned].unsqueeze(1) for n in anchor}
-        return {**{f"num.{n}": v * weight.reshape(*weight.shape, *[1] * (v.dim() - 2)) for n, v in moved.items()},
-                "den": weight}
+        return {**{f"num.{n}": v * trailing(weight, v) for n, v in moved.items()}, "den": weight}
     if attack == "inflate":
         return {**{n: torch.zeros_like(v) for n, v in honest.items() if n != "den"}, "den": torch.full_like(den, 1e6)}
     if attack == "zeros":
@@ -129,8 +129,7 @@ def forged_gossip(attack: GossipAttack, honest: Mapping[str, Tensor], anchor: Ma
     for n, v in honest.items():
         if n == "den":
             continue
-        estimate = v / den.clamp_min(1e-3).reshape(*den.shape, *[1] * (v.dim() - den.dim()))
-        out[n] = -3.0 * estimate
+        out[n] = -3.0 * (v / trailing(den.clamp_min(MIN_WEIGHT), v))  # -3 times its estimate, at weight 1
     return out
 
 

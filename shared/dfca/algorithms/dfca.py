@@ -43,7 +43,15 @@ from dfca.algorithms.base import (
     params_in,
     state_of,
 )
-from dfca.core import assign_clusters, fold_models, init_cluster_models, round_seeds, self_weights, train_assigned
+from dfca.core import (
+    assign_clusters,
+    fold_models,
+    init_cluster_models,
+    loss_matrix,
+    round_seeds,
+    self_weights,
+    train_assigned,
+)
 from dfca.core.consensus import StepConsensus, WalkConsensus, consensus_weights, source_weights
 from dfca.core.params import gather_clusters
 from dfca.core.screened_gossip import Screen, displacement
@@ -129,8 +137,7 @@ class DFCA(Algorithm):
         d = self.data()
         x = d.x_train[:, :SCREEN_SAMPLES].index_select(0, rows)
         y = d.y_train[:, :SCREEN_SAMPLES].index_select(0, rows)
-        logits = self.ctx.model.logits(models, x)
-        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
+        return loss_matrix(self.ctx.model, {n: v.unsqueeze(1) for n, v in models.items()}, x, y)[:, 0]
 
     def fits_own_data(self, rows: Tensor, estimates: Params) -> Tensor:
         """[P] bool: each estimate of row `rows[p]`'s own cluster is not much worse on that row's samples than its

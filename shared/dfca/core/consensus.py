@@ -24,10 +24,9 @@ import torch
 from torch import Tensor
 
 from dfca.core.params import cluster_views
+from dfca.core.ratio import MIN_WEIGHT, ratio_estimate, trailing
 from dfca.core.screened_gossip import Screen, screened_mix
 from dfca.models import Params
-
-MIN_WEIGHT = 1e-3  # den below this: no trained copy has reached the client (keep its own model)
 
 
 def gossip_matrix(delivered: Tensor) -> Tensor:
@@ -76,17 +75,6 @@ def ratio_consensus(params: Params, trained: Tensor, walk: Tensor) -> None:
             view.mul_(keep).addmm_(coeff, trained_copies)
 
 
-def _trailing(t: Tensor, like: Tensor) -> Tensor:
-    """t [M, ...] viewed with trailing singleton dimensions, to broadcast against `like`."""
-    return t.reshape(*t.shape, *[1] * (like.dim() - t.dim()))
-
-
-def ratio_estimate(num: Tensor, den: Tensor, own: Tensor) -> Tensor:
-    """num / den where den > MIN_WEIGHT, else `own`; den's shape is a prefix of num's (e.g. [M, k] and [M, k, ...])."""
-    reached = _trailing(den > MIN_WEIGHT, num)
-    return torch.where(reached, num / _trailing(den.clamp_min(MIN_WEIGHT), num), own)
-
-
 class WalkConsensus:
     """The whole graph's consensus round: each step's mask becomes a matrix of the walk."""
 
@@ -115,7 +103,7 @@ class StepConsensus:
     screened and mixed; without, they are summed as they arrive."""
 
     def __init__(self, params: Params, trained: Tensor, screen: Screen | None = None) -> None:
-        self.num = {n: v * _trailing(trained, v) for n, v in params.items()}  # [M, k, ...]
+        self.num = {n: v * trailing(trained, v) for n, v in params.items()}  # [M, k, ...]
         self.den = trained.clone()  # [M, k]
         self.screen = screen
         self.dropped = 0  # informative (arrival, cluster) pairs the screen dropped, over the round
@@ -156,8 +144,8 @@ class StepConsensus:
             self._clear()
             return
         scale = self.degree + 1
-        self.num = {n: (v + self.num_sum[n]) / _trailing(scale, v) for n, v in self.num.items()}
-        self.den = (self.den + self.den_sum) / _trailing(scale, self.den)
+        self.num = {n: (v + self.num_sum[n]) / trailing(scale, v) for n, v in self.num.items()}
+        self.den = (self.den + self.den_sum) / trailing(scale, self.den)
         self._clear()
 
     def finish(self, params: Params) -> None:

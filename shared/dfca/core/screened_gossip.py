@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-MIN_WEIGHT = 1e-3  # as core.consensus: den at or below this holds no estimate
+from dfca.core.ratio import MIN_WEIGHT, trailing
+
 BLOCK_FLOATS = 1 << 25  # message estimates formed at once (128 MiB of float32)
 
 # (receiver rows [P], their estimates of their own cluster [P, ...]) -> [P] bool: keep the estimate
@@ -46,10 +47,6 @@ class Screen:
     budget: float  # an honest message's largest total den: 1 + (k - 1) untrained_weight
     test: EstimateTest | None  # the data test of an estimate of the row's own cluster
     trim: float = 0.0  # > 0: the estimate is the coordinate-wise trimmed mean of what was kept, this cut per end
-
-
-def _per_row(t: Tensor, like: Tensor) -> Tensor:
-    return t.reshape(*t.shape, *[1] * (like.dim() - t.dim()))
 
 
 def budgeted(den: Tensor, budget: float) -> tuple[Tensor, Tensor]:
@@ -86,7 +83,7 @@ def anchor_distances(num: Mapping[str, Tensor], den: Tensor, anchor: Mapping[str
 def own_cluster_estimates(num: Mapping[str, Tensor], den: Tensor, cols: Tensor, clusters: Tensor) -> dict[str, Tensor]:
     """[P, ...]: each pair's arrived estimate of the receiver's own cluster (`clusters` [P])."""
     d = den[cols, clusters].clamp_min(MIN_WEIGHT)
-    return {n: v[cols, clusters] / _per_row(d.to(v.dtype), v[cols, clusters]) for n, v in num.items()}
+    return {n: v[cols, clusters] / trailing(d.to(v.dtype), v[cols, clusters]) for n, v in num.items()}
 
 
 def screened_mix(num: dict[str, Tensor], den: Tensor, delivered: Tensor, arrived_num: Mapping[str, Tensor],
@@ -112,17 +109,17 @@ def screened_mix(num: dict[str, Tensor], den: Tensor, delivered: Tensor, arrived
     dropped = int((delivered.unsqueeze(2) & informative.unsqueeze(0) & ~keep).sum())
     weight = keep.to(den.dtype)  # [M, S, k]
     degree = delivered.sum(1).to(den.dtype)
-    new_den = (den + (weight * clean.to(den.dtype).unsqueeze(0)).sum(1)) / _per_row(degree + 1, den)
+    new_den = (den + (weight * clean.to(den.dtype).unsqueeze(0)).sum(1)) / trailing(degree + 1, den)
     if screen.trim > 0:
         rows, cols = delivered.nonzero(as_tuple=True)
         est = trimmed_estimates(num, den, arrived_num, arrived_den, rows, cols, keep[rows, cols], screen.trim)
-        return {n: v * _per_row(new_den.to(v.dtype), v) for n, v in est.items()}, new_den, dropped
+        return {n: v * trailing(new_den.to(v.dtype), v) for n, v in est.items()}, new_den, dropped
     mix = weight * scale.to(den.dtype).unsqueeze(0)  # [M, S, k]: what each arrived num counts for
     out: dict[str, Tensor] = {}
     for n, v in num.items():
         total = torch.stack([mix[:, :, j].to(v.dtype) @ _flat(arrived_num[n], j).to(v.dtype)
                              for j in range(den.shape[1])], 1).reshape(v.shape)
-        out[n] = (v + total) / _per_row(degree + 1, v)
+        out[n] = (v + total) / trailing(degree + 1, v)
     return out, new_den, dropped
 
 
@@ -145,8 +142,8 @@ def trimmed_estimates(num: Mapping[str, Tensor], den: Tensor, arr_num: Mapping[s
     most = int(cut.max()) if cut.numel() else 0
     out: dict[str, Tensor] = {}
     for name, v in num.items():
-        own_est = v / _per_row(den.clamp_min(MIN_WEIGHT).to(v.dtype), v)
-        src = arr_num[name].to(v.dtype) / _per_row(arr_den.clamp_min(MIN_WEIGHT).to(v.dtype), arr_num[name])
+        own_est = v / trailing(den.clamp_min(MIN_WEIGHT).to(v.dtype), v)
+        src = arr_num[name].to(v.dtype) / trailing(arr_den.clamp_min(MIN_WEIGHT).to(v.dtype), arr_num[name])
         table = torch.zeros(m, width, *v.shape[1:], dtype=v.dtype, device=v.device)
         table[:, 0] = own_est
         table[rows[order], slot] = src.index_select(0, cols[order])
@@ -156,12 +153,12 @@ def trimmed_estimates(num: Mapping[str, Tensor], den: Tensor, arr_num: Mapping[s
         total = table.sum(-1)
         if most > 0:
             rank = torch.arange(most, device=v.device)
-            take = (rank < _per_row(cut, v).unsqueeze(-1)).to(v.dtype)  # [M, k, 1.., most]: the first cut[m, k]
+            take = (rank < trailing(cut, v).unsqueeze(-1)).to(v.dtype)  # [M, k, 1.., most]: the first cut[m, k]
             top = table.masked_fill(~mask, -math.inf).topk(most, dim=-1).values.nan_to_num(0.0, 0.0, 0.0)
             low = table.masked_fill(~mask, math.inf).topk(most, dim=-1, largest=False).values.nan_to_num(0.0, 0.0, 0.0)
             total = total - (top * take).sum(-1) - (low * take).sum(-1)
-        kept = _per_row((n_valid - 2 * cut).clamp_min(1).to(v.dtype), v)
-        out[name] = torch.where(_per_row(n_valid > 0, v), total / kept, own_est)
+        kept = trailing((n_valid - 2 * cut).clamp_min(1).to(v.dtype), v)
+        out[name] = torch.where(trailing(n_valid > 0, v), total / kept, own_est)
     return out
 
 

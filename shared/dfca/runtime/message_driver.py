@@ -416,9 +416,8 @@ class MessageDriver:
         inbox = Inbox(delivered, torch.tensor([envelope.sender], device=device),
                       torch.tensor([envelope.part], device=device),
                       {n: t.unsqueeze(0).to(device) for n, t in envelope.tensors.items()}, envelope.round)
-        refused = sum(self.algorithm.refused.values())
         used = self.algorithm.receive(self.exchanges[self.index], inbox)
-        if sum(self.algorithm.refused.values()) > refused:  # the algorithm refused it (a lying seed candidate)
+        if self.algorithm.refused != self.counted_refusals:  # the algorithm refused it (a lying seed candidate)
             self.stats.rejected.update(self.algorithm.refused - self.counted_refusals)
             self.counted_refusals = self.algorithm.refused.copy()
         self.stats.applied += used
