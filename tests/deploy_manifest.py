@@ -37,7 +37,6 @@ COMPOSE_GPU_FILE = REPO / "docker-compose.gpu.yml"
 
 DFCA_SUBCOMMANDS = ("topology", "metrics", "worker", "aggregator")
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
-POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
 RABBITMQ_CONFIG_FILE = K8S_DIR / "rabbitmq-config.yaml"
 RABBITMQ_CONFIG_NAME = "rabbitmq-config"
@@ -249,7 +248,7 @@ def container_argv(container: Mapping[str, Any], image_entrypoint: list[str] | N
 
 def env_names(container: Mapping[str, Any], manifests: Iterable[Manifest]) -> set[str]:
     """Names of every env var a container gets, including envFrom ConfigMaps/Secrets."""
-    return set(resolve_env(container, manifests, labels={POD_INDEX_LABEL: "0"}, strict=False))
+    return set(resolve_env(container, manifests, labels={}, strict=False))
 
 
 def _source_data(manifests: Iterable[Manifest], kind: str, name: str) -> dict[str, str]:
@@ -344,6 +343,13 @@ def localize_url(value: str, cluster_services: Mapping[str, int], local: LocalEn
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
+def local_broker_url(url: str, port: int) -> str:
+    """A cluster AMQP URL (amqp://user:password@rabbitmq:5672/dfca), its credentials kept, pointed at 127.0.0.1:port."""
+    parts = urlsplit(url)
+    netloc = f"{parts.netloc.rpartition('@')[0]}@127.0.0.1:{port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
 def localize_path(value: str, mounts: Mapping[str, Path]) -> str:
     """A path (or sqlite:/// URL) inside a volume mount -> the same path below the local folder."""
     for mount_path, local_dir in sorted(mounts.items(), key=lambda item: -len(item[0])):
@@ -354,8 +360,7 @@ def localize_path(value: str, mounts: Mapping[str, Path]) -> str:
 
 
 def launch_spec(
-    manifests: list[Manifest], workload_name: str, local: LocalEndpoints, *, ordinal: int = 0,
-    local_port: int | None = None,
+    manifests: list[Manifest], workload_name: str, local: LocalEndpoints, *, local_port: int | None = None,
 ) -> LaunchSpec:
     """The command and environment of a workload's dfca container, made runnable on this machine:
     Service hostnames -> 127.0.0.1 and local ports, the broker -> the local broker, volume paths
@@ -365,9 +370,8 @@ def launch_spec(
     if len(containers) != 1:
         raise ValueError(f"{workload_name}: expected one dfca container, found {len(containers)}")
     container = containers[0]
-    pod_name = f"{workload_name}-{ordinal}" if workload["kind"] == "StatefulSet" else workload_name
-    labels = {**pod_template(workload)["metadata"].get("labels", {}), POD_INDEX_LABEL: str(ordinal)}
-    env = resolve_env(container, manifests, labels)
+    pod_name = f"{workload_name}-0" if workload["kind"] == "StatefulSet" else workload_name  # one pod each
+    env = resolve_env(container, manifests, pod_template(workload)["metadata"].get("labels", {}))
     cluster_services = service_ports(manifests)
     mounts = {m["mountPath"]: local.state_dir / pod_name / m["name"] for m in container.get("volumeMounts", [])}
     for local_dir in mounts.values():
@@ -380,11 +384,8 @@ def launch_spec(
     broker = urlsplit(env["DFCA_BROKER_URL"])
     if broker.hostname not in cluster_services:
         raise ValueError(f"DFCA_BROKER_URL host {broker.hostname!r} is not a Service in the manifests")
-    if local.broker_port is None:
-        broker_url = local.broker_url
-    else:
-        netloc = f"{broker.netloc.rpartition('@')[0]}@127.0.0.1:{local.broker_port}"
-        broker_url = urlunsplit((broker.scheme, netloc, broker.path, broker.query, broker.fragment))
+    broker_url = local.broker_url if local.broker_port is None else local_broker_url(env["DFCA_BROKER_URL"],
+                                                                                     local.broker_port)
     localized.update(DFCA_BROKER_URL=broker_url, DFCA_HOST="127.0.0.1", DFCA_PORT=str(port))
     base = {key: value for key, value in os.environ.items() if not key.startswith("DFCA_")}
     return LaunchSpec(name=pod_name, argv=container_argv(container), env={**base, **localized}, port=port)

@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from urllib.parse import urlsplit, urlunsplit
 
 import pika
 import pika.exceptions
 import pytest
-from deploy_manifest import K8S_DIR, Manifest, find_manifest, load_manifests, start_k8s_broker, with_cluster_secrets
+from deploy_manifest import (
+    K8S_DIR,
+    Manifest,
+    find_manifest,
+    load_manifests,
+    local_broker_url,
+    start_k8s_broker,
+    with_cluster_secrets,
+)
 from rabbitmq_node import RabbitMQNode, RabbitMQNodeError
 
 from dfca import principals, topics
@@ -43,9 +50,7 @@ def principal_urls(manifests: list[Manifest], node: RabbitMQNode) -> dict[str, s
     for doc in manifests:
         name = doc["metadata"]["name"]
         if doc["kind"] == "Secret" and name.startswith("dfca-broker-") and name != "dfca-broker-users":
-            parts = urlsplit(doc["stringData"]["url"])
-            netloc = f"{parts.netloc.rpartition('@')[0]}@127.0.0.1:{node.port}"
-            urls[name.removeprefix("dfca-broker-")] = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+            urls[name.removeprefix("dfca-broker-")] = local_broker_url(doc["stringData"]["url"], node.port)
     return urls
 
 

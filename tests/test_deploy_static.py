@@ -28,7 +28,6 @@ from deploy_manifest import (
     DFCA_SUBCOMMANDS,
     DOCKERFILE,
     K8S_DIR,
-    POD_INDEX_LABEL,
     REPO,
     SECRET_SCRIPT,
     Manifest,
@@ -61,7 +60,7 @@ from dfca import principals
 from dfca.devices import DeviceUnavailable, worker_device
 from dfca.settings import DEFAULT_PORTS, ENV_VARS
 
-KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")  # oldest we support (pod-index label GA path) and newest bundled
+KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")  # oldest we support and newest bundled
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_NODE_LABEL = "nvidia.com/gpu.present"
 APP_COMPONENTS = {"topology", "metrics", "aggregator", "worker"}
@@ -256,7 +255,7 @@ def test_ports_match_the_services_defaults(manifests: list[Manifest]) -> None:
     for workload in workloads(manifests):
         for container in dfca_containers(workload):
             name = component(workload)
-            env = resolve_env(container, manifests, {POD_INDEX_LABEL: "0"})
+            env = resolve_env(container, manifests, {})
             port = int(env["DFCA_PORT"])
             assert port == DEFAULT_PORTS[name]
             assert [p["containerPort"] for p in container["ports"]] == [port]
@@ -285,7 +284,7 @@ def test_secret_and_config_references_resolve(manifests: list[Manifest]) -> None
     """Every secretKeyRef/configMapKeyRef/envFrom names an object and key that the manifests define."""
     for workload in workloads(manifests):
         for container in pod_containers(workload):
-            resolve_env(container, manifests, {POD_INDEX_LABEL: "0"})  # raises KeyError on a dangling ref
+            resolve_env(container, manifests, {})  # raises KeyError on a dangling ref
         for volume in pod_template(workload)["spec"].get("volumes", []):
             if "configMap" in volume:
                 find_manifest(manifests, "ConfigMap", volume["configMap"]["name"])
@@ -434,7 +433,7 @@ def test_gpu_workers_request_select_and_tolerate_gpus(gpu_manifests: list[Manife
     assert {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert all({"key": GPU_NODE_LABEL, "operator": "In", "values": ["true"]} in t["matchExpressions"] for t in terms)
-    env = resolve_env(container, gpu_manifests, {POD_INDEX_LABEL: "0"})
+    env = resolve_env(container, gpu_manifests, {})
     assert env["DFCA_DEVICE"] == "cuda"
     assert container["image"].endswith("-cuda")
 
@@ -446,7 +445,7 @@ def test_cpu_workers_neither_request_nor_select_gpus(cpu_manifests: list[Manifes
     assert "nvidia" not in json.dumps(cpu_worker)
     assert "tolerations" not in spec and "affinity" not in spec and "nodeSelector" not in spec
     (container,) = spec["containers"]
-    assert resolve_env(container, cpu_manifests, {POD_INDEX_LABEL: "0"})["DFCA_DEVICE"] == "cpu"
+    assert resolve_env(container, cpu_manifests, {})["DFCA_DEVICE"] == "cpu"
     assert not container["image"].endswith("-cuda")
     # Apart from the GPU settings, the CPU variant is the GPU manifest: nothing else drifted.
     gpu_spec = json.loads(json.dumps(pod_template(worker_statefulset(gpu_manifests))["spec"]))
@@ -471,9 +470,9 @@ def test_the_manifests_device_is_where_a_worker_computes(cpu_manifests: list[Man
     """The worker reads DFCA_DEVICE (dfca.devices.worker_device): a CPU pod computes on the CPU whatever the config
     asks, and a GPU pod computes on the GPU, or fails naming DFCA_DEVICE where the node has none."""
     cpu_env = resolve_env(pod_template(worker_statefulset(cpu_manifests))["spec"]["containers"][0], cpu_manifests,
-                          {POD_INDEX_LABEL: "0"})
+                          {})
     gpu_env = resolve_env(pod_template(worker_statefulset(gpu_manifests))["spec"]["containers"][0], gpu_manifests,
-                          {POD_INDEX_LABEL: "0"})
+                          {})
     compose_envs = [compose_environment(s) for n, s in compose["services"].items() if n.startswith("worker-")]
     gpu_compose_envs = [compose_environment(s) for s in compose_gpu["services"].values()]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
