@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from resumable_runs import commit
 from runtime_benchmark import bench_config, runtime_run
 
 from dfca import topics
@@ -119,11 +120,10 @@ def main() -> None:
                      messages.get("blocked", 0), wall))
         print(f"{label}: {rows[-1][1]:.2f} s/round, {rows[-1][2]}, junk sent {sent[0]}", flush=True)
     base = rows[0][1]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     lines = [
         "# A junk flood from one worker's credentials",
         "",
-        f"`python benchmarks/junk_flood.py --rounds {args.rounds}` at commit {commit.strip()}, "
+        f"`python benchmarks/junk_flood.py --rounds {args.rounds}` at commit {commit()}, "
         f"load average {load_before[0]:.2f} before the runs, {os.cpu_count()} cores, local RabbitMQ. Config: "
         "benchmarks/runtime_benchmark.py's `bench_config` (rotated MNIST k=2, 24 clients, ER p=0.5, 3 workers, "
         f"{args.rounds} training rounds after robust DFCA's seeding). The flood starts with the run and lasts "

@@ -48,8 +48,13 @@ def one_thread() -> None:
 
 
 def commit() -> str:
+    """HEAD's short hash, with "+changes" when tracked files differ from it (what was measured is not that commit)."""
+    here = Path(__file__).resolve().parent
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
                               check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("+changes" if dirty else "")

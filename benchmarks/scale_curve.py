@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from resumable_runs import commit
+
 BENCHMARKS = Path(__file__).resolve().parent
 REPO = BENCHMARKS.parent
 
@@ -91,13 +93,6 @@ def run_child(clients: int, args: argparse.Namespace) -> dict[str, Any]:
         return {"clients": clients, "failed": (done.stderr.strip().splitlines() or ["?"])[-1][-300:],
                 "returncode": done.returncode, "estimated_bytes": 0}
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True).stdout.strip()
-    return done.stdout.strip() + ("+changes" if dirty else "")
 
 
 def seconds(row: dict[str, Any], phase: str) -> str:
