@@ -53,7 +53,7 @@ ATTACKS: list[tuple[str, str]] = [
     ("inflate", "none"), ("relay", "none"), ("duplicate", "none"),
     ("none", "inflate"), ("none", "zeros"), ("none", "flip"), ("none", "reverse"),
 ]
-DEFENCES = {"off": {}, "screen": {"dfca": {"screen": True}},
+DEFENCES = {"off": {"dfca": {"traffic": "full"}}, "screen": {"dfca": {"screen": True}},  # screen implies full
             "screen+trim": {"dfca": {"screen": True, "screen_trim": 0.25}}}
 
 

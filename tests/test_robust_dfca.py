@@ -40,16 +40,35 @@ def test_robust_recovers_with_local_init_and_message_loss(overrides: dict[str, o
     assert summary["cluster_ari"] >= 0.95, summary
 
 
+def test_the_default_recovers_the_clusters_at_most_at_twice_the_paper_rules_bytes() -> None:
+    """Issue 16: on a sparse graph the default (robust, traffic lean: seeding, gossip every 5th round, 8-bit
+    payloads) recovers the clusters, and a client sends at most 2x what the paper rule sends over the run."""
+    def run(variant: str) -> tuple[float, float]:
+        cfg = sparse_config(variant)
+        summary = simulate(cfg).summary
+        return summary["cluster_ari"], summary["bytes_sent_per_client_per_round"] * RoundSchedule(cfg).total_rounds
+
+    default = ExperimentConfig.model_validate({"dfca": {}})
+    assert (default.dfca.variant, default.dfca.traffic, default.runtime.payload_dtype) == ("robust", "lean", "int8")
+    ari, sent = run("robust")
+    _, paper_sent = run("paper")
+    assert ari >= 0.95
+    assert sent <= 2 * paper_sent, (sent, paper_sent)
+
+
 def test_robust_schedule_and_traffic() -> None:
     cfg = sparse_config("robust", rounds=3, dfca={"variant": "robust", "warmup_rounds": 2,
                                                   "warmup_gossip_steps": 4, "gossip_steps": 0})
     schedule = RoundSchedule(cfg)  # the warm-up counts from the first training round, after the seeding
     assert [schedule.gossip_steps(schedule.seeding_rounds + t) for t in range(3)] == [4, 4, 0]
+    lean = RoundSchedule(sparse_config("robust", rounds=12))  # every 5th round gossips, counted back from the last
+    assert [lean.gossip_steps(lean.seeding_rounds + t) for t in range(12)] == [0, 5, 0, 0, 0, 0, 5, 0, 0, 0, 0, 5]
     assert schedule.seeding_rounds > 0 and schedule.gossip_steps(schedule.seeding_rounds - 1) == 0
     assert RoundSchedule(sparse_config("paper")).gossip_steps(0) == 0
     small = sparse_config("robust", rounds=1, data={"dataset": "digits", "rotations": [0, 180], "clients": 10,
                                                     "train_per_client": 20, "test_per_client": 5},
-                          topology={"kind": "ring"}, dfca={"variant": "robust", "warmup_gossip_steps": 4})
+                          topology={"kind": "ring"},
+                          dfca={"variant": "robust", "traffic": "full", "warmup_gossip_steps": 4})
     result = simulate(small)
     one_model = 4 * result.algorithm.ctx.model.num_params()
     # a ring: 2 neighbours; a warm-up round sends all k=2 clusters (and their weights) in each of 4 gossip steps

@@ -1,7 +1,9 @@
 """Robust DFCA (ratio consensus over gossip steps) on the distributed runtime against a real RabbitMQ, over REST.
 
-Every round gossips (no eq. 8 fallback), and every gossip step waits for all neighbours, so the run is
-synchronous: the workers' checkpoints must hold the simulator's models, and the clusters are recovered.
+`traffic: full` in float32: every round gossips, and every gossip step waits for all neighbours, so the run is
+synchronous: the workers' checkpoints must hold the simulator's models, and the clusters are recovered. The
+default (`traffic: lean`: gossip every 5th round, one-hop merges between, 8-bit payloads) recovers them too, and
+the bytes the runtime counts (its summary and its Prometheus counter) are the simulator's.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from runtime_fixtures import Api, rotated_mnist, running_stack
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dfca.config import ExperimentConfig
 from dfca.runtime.launcher import Stack
+from dfca.schedule import RoundSchedule
 from dfca.simulator import simulate
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
@@ -31,8 +35,9 @@ def stack(rabbitmq_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def test_robust_dfca_recovers_the_clusters_and_matches_the_simulator(stack: Stack) -> None:
-    cfg = rotated_mnist(name="robust", rounds=5, runtime={"round_timeout": 30.0},
-                        dfca={"variant": "robust", "warmup_rounds": 2, "warmup_gossip_steps": 3, "gossip_steps": 2})
+    cfg = rotated_mnist(name="robust", rounds=5, runtime={"round_timeout": 30.0, "payload_dtype": "float32"},
+                        dfca={"variant": "robust", "traffic": "full", "warmup_rounds": 2, "warmup_gossip_steps": 3,
+                              "gossip_steps": 2})
     api = Api.of(stack)
     experiment = api.create_and_start(cfg)
     final = api.wait_finished(experiment)
@@ -52,3 +57,31 @@ def test_robust_dfca_recovers_the_clusters_and_matches_the_simulator(stack: Stac
     for name, expected in sim.algorithm.params.items():
         got = torch.stack([rows[c][name] for c in range(24)])
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-4)
+
+
+def prometheus_bytes(api: Api, experiment: str) -> float:
+    text = api.metrics.get("/metrics").text
+    return next(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name == "dfca_client_bytes_sent_total" and s.labels == {"experiment": experiment})
+
+
+def test_the_lean_default_recovers_the_clusters_and_counts_the_simulators_bytes(stack: Stack) -> None:
+    """8-bit payloads on the wire, gossip in rounds 1 and 6 of 6, one-hop merges between: ARI 1, the simulator's
+    accuracy within 3 points, and bytes per client per round within 2% of the simulator's, in the summary and in
+    Prometheus."""
+    cfg = rotated_mnist(name="lean", rounds=6, aggregation="batch", runtime={"round_timeout": 30.0})
+    validated = ExperimentConfig.model_validate(cfg)
+    assert validated.runtime.payload_dtype == "int8" and validated.dfca.traffic == "lean"
+    api = Api.of(stack)
+    experiment = api.create_and_start(cfg)
+    final = api.wait_finished(experiment)
+    summary = api.summary(experiment)
+    assert final["status"] == "completed" and summary["clients"] == 24, final
+    assert summary["cluster_ari"] == pytest.approx(1.0), summary
+    assert summary["messages"]["timeouts"] == 0 and not summary["messages"]["rejected"], summary["messages"]
+    sim = simulate(validated).summary
+    assert summary["test_accuracy"] == pytest.approx(sim["test_accuracy"], abs=0.03)
+    per_round = summary["bytes_sent_per_client_per_round"]
+    assert per_round == pytest.approx(sim["bytes_sent_per_client_per_round"], rel=0.02)
+    rounds = RoundSchedule(validated).total_rounds
+    assert prometheus_bytes(api, experiment) == pytest.approx(per_round * 24 * rounds, rel=1e-6)

@@ -1,6 +1,7 @@
-"""`bytes_sent_per_client_per_round` means one thing in both drivers: the payload bytes a client sent, each
-message counted once per receiver, averaged over the run's rounds (seeding included). The message driver counts
-the encoded bodies it publishes; the simulator counts the tensors it would send; they agree to 2%."""
+"""`bytes_sent_per_client_per_round` means one thing in both drivers: the bytes a client sent (wire.message_bytes:
+body, headers, routing key), each message counted once per receiver, averaged over the run's rounds (seeding
+included). The message driver counts the messages it publishes; the simulator counts the messages it would send;
+they agree to 2%."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def test_paper_rule_bytes_are_one_model_per_neighbour_per_round() -> None:
     ctx = prepare(cfg)
     result = simulate(cfg, data=ctx.data)
     model_bytes = 4 * ctx.model.num_params()  # float32 on the wire, plus a safetensors header of < 400 bytes
+    # and the message's headers and routing key, about 250 more
     mean_degree = float(ctx.adjacency.sum()) / cfg.data.clients
     sent = result.summary["bytes_sent_per_client_per_round"]
-    assert model_bytes * mean_degree < sent < (model_bytes + 400) * mean_degree
+    assert model_bytes * mean_degree < sent < (model_bytes + 650) * mean_degree

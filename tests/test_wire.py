@@ -6,10 +6,23 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from safetensors.torch import load as st_load
 from safetensors.torch import save
 
 from dfca import topics
-from dfca.wire import Envelope, PayloadRejected, Spec, TensorSpec, decode_message, encode_message, sha256
+from dfca.wire import (
+    Envelope,
+    PayloadRejected,
+    Spec,
+    TensorSpec,
+    as_received,
+    body_bytes,
+    decode_message,
+    encode_message,
+    headers_of,
+    message_bytes,
+    sha256,
+)
 
 W0 = "worker-0"  # the host word of every client when one worker hosts them all
 AGG = "aggregator"  # the host word of a central role
@@ -69,6 +82,47 @@ def test_float16_payload_is_half_the_size_and_close_and_weights_stay_exact() -> 
     assert float(got_seed.tensors["score"]) == 0.1 + 1e-12 and int(got_seed.tensors["origin"]) == 12
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int8])
+def test_lossy_payloads_decode_to_what_the_simulator_delivers(dtype: torch.dtype) -> None:
+    """as_received (the simulator's delivery) gives exactly what the receiver decodes, and weights stay exact."""
+    message = gossip_message()
+    body, headers = encode_message(message, GOSSIP, dtype)
+    got = decode(body, headers, GOSSIP)
+    expected = as_received(GOSSIP, message.tensors, dtype)
+    for name in GOSSIP:
+        assert torch.equal(got.tensors[name], expected[name]), name
+    assert torch.equal(got.tensors["den"], message.tensors["den"])
+    torch.testing.assert_close(got.tensors["num.w"], message.tensors["num.w"], atol=0.02, rtol=0.02)
+
+
+def test_int8_payload_is_a_quarter_and_its_scales_are_checked() -> None:
+    g = torch.Generator().manual_seed(2)
+    big: Spec = {"w": TensorSpec((200, 784)), "b": TensorSpec((200,))}
+    message = Envelope("exp1", 7, 3, "models", 0, 1, {"w": torch.randn(200, 784, generator=g),
+                                                      "b": torch.randn(200, generator=g)})
+    body32, _ = encode_message(message, big)
+    body8, headers = encode_message(message, big, torch.int8)
+    assert len(body8) < 0.26 * len(body32)
+    assert len(body8) == body_bytes(big, {"w": (200, 784), "b": (200,)}, torch.int8)
+    got = decode(body8, headers, big)
+    row_max = message.tensors["w"].abs().amax(1, keepdim=True)
+    assert bool(((got.tensors["w"] - message.tensors["w"]).abs() <= row_max / 254 + 1e-6).all())
+    tensors = st_load(body8)
+    for bad, reason in ((-tensors["w#scale"], "non_finite"), (tensors["w#scale"][:3], "shape"),
+                        (tensors["w#scale"].double(), "dtype")):
+        forged, forged_headers = resigned({**tensors, "w#scale": bad}, message, big, torch.int8)
+        assert rejected(lambda: decode(forged, forged_headers, big)) == reason  # noqa: B023
+    missing, missing_headers = resigned({"w": tensors["w"], "b": tensors["b"]}, message, big, torch.int8)
+    assert rejected(lambda: decode(missing, missing_headers, big)) == "shape"
+
+
+def test_message_bytes_count_body_headers_and_routing_key() -> None:
+    body, headers = encode_message(model_message(), MODEL)
+    table = 4 + sum(1 + len(k) + 1 + 4 + len(v) for k, v in headers.items())
+    assert message_bytes(len(body), headers, KEY) == len(body) + table + 1 + len(KEY)
+    assert headers_of(model_message(), torch.float32, headers["sha256"]) == headers
+
+
 def test_garbage_bytes_rejected() -> None:
     body = b"\x00garbage" * 10
     headers = {**encode_message(model_message(), MODEL)[1], "sha256": sha256(body)}
@@ -95,9 +149,10 @@ def test_non_finite_rejected(bad: float) -> None:
     assert rejected(lambda: decode(body, headers)) == "non_finite"
 
 
-def resigned(tensors: dict[str, torch.Tensor], like: Envelope, spec: Spec) -> tuple[bytes, dict[str, str]]:
+def resigned(tensors: dict[str, torch.Tensor], like: Envelope, spec: Spec,
+             dtype: torch.dtype = torch.float32) -> tuple[bytes, dict[str, str]]:
     body = save(tensors)
-    return body, {**encode_message(like, spec)[1], "sha256": sha256(body)}
+    return body, {**encode_message(like, spec, dtype)[1], "sha256": sha256(body)}
 
 
 def test_wrong_dtype_rejected() -> None:

@@ -102,24 +102,52 @@ class NetworkConfig(Strict):
     message_delay: float = Field(0.0, ge=0.0, lt=1.0, description="probability a message arrives one round late")
 
 
+FULL_TRAFFIC = {"warmup_rounds": 8, "gossip_every": 1, "gossip_steps": 3}  # the robust schedule before `lean`
+
+
+def traffic_of(dfca: Any) -> str:
+    """The traffic preset a DFCA section (a dict as given, or a DFCAConfig) asks for."""
+    if not isinstance(dfca, dict):
+        return str(dfca.traffic)
+    return str(dfca.get("traffic", "full" if dfca.get("screen") else "lean"))
+
+
 class DFCAConfig(Strict):
     """DFCA's rules: the paper's, or the robust variant (see README "Cluster recovery").
 
     paper:  eq. 7/8 as written; a client sends only its assigned model; its own copy always counts.
-    robust: each round, every client gossips all k clusters for G steps of ratio consensus
+    robust: farthest-first seeding, then rounds of G steps of ratio consensus over all k clusters
             (core.consensus): cluster j becomes the mean of the copies trained this round, as IFCA's
             server computes it, approximated over the graph. G = `warmup_gossip_steps` in the first
-            `warmup_rounds` rounds (when cluster indices get their meaning), `gossip_steps` after;
-            `gossip_steps: 0` falls back to eq. 7/8 with the `fresh` merge rule after the warm-up.
+            `warmup_rounds` rounds, `gossip_steps` in every `gossip_every`-th round after (counted back
+            from the last); the other rounds merge one hop (eq. 7/8 with the `fresh` rule).
+
+    `traffic` picks the robust schedule's defaults (a key the config names wins):
+      lean (default): warmup_rounds 0, gossip_every 5, gossip_steps 5, and 8-bit payloads
+            (runtime.payload_dtype int8): 0.9-1.5x the paper rule's bytes (docs/traffic.md);
+      full: warmup_rounds 8, gossip_every 1, gossip_steps 3, float32 payloads: consensus every round,
+            10-20x the paper rule's bytes (the default before issue 16). `screen: true` implies full: the screen guards
+            gossip, not one-hop merges.
     """
 
     variant: Literal["paper", "robust"] = "robust"
+    traffic: Literal["lean", "full"] = Field(
+        "lean", description="robust: lean gossips 5 steps every 5th round with 8-bit payloads, about the paper rule's "
+        "bytes; full gossips 3 steps every round (10 in 8 warm-up rounds) in float32 (10-20x); a key the config "
+        "names wins",
+    )
     merge: Literal["paper", "fresh"] | None = Field(
         None, description="paper: eq. 7 keeps the own copy; fresh: an untrained cluster takes only what arrived"
     )
-    warmup_rounds: int = Field(8, ge=0, le=100_000, description="robust: rounds of the warm-up")
+    warmup_rounds: int = Field(0, ge=0, le=100_000, description="robust: rounds of the warm-up (traffic full: 8)")
     warmup_gossip_steps: int = Field(10, ge=1, le=1000, description="robust: gossip steps per warm-up round")
-    gossip_steps: int = Field(3, ge=0, le=1000, description="robust: gossip steps per round after the warm-up")
+    gossip_steps: int = Field(5, ge=0, le=1000, description="robust: gossip steps per gossip round after the warm-up "
+                              "(traffic full: 3)")
+    gossip_every: int = Field(
+        5, ge=1, le=100_000, description="robust: after the warm-up, every gossip_every-th round gossips (counted "
+        "back from the last round, which always does); the others merge one hop (eq. 7/8, the fresh rule); "
+        "traffic full: 1",
+    )
     untrained_weight: float = Field(
         0.0, ge=0.0, le=1.0, description="robust: weight of a cluster copy its client did not train this round"
     )
@@ -156,6 +184,15 @@ class DFCAConfig(Strict):
         None, ge=1, le=100_000, description="seeding: rounds per seed slot (>= the graph's diameter); None: a bound "
         "from topology and clients (dfca.schedule.diameter_bound)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _traffic_preset(cls, data: Any) -> Any:
+        """traffic: full (or screen: true, unless traffic is named) fills the keys the config leaves out with the
+        full schedule's values."""
+        if not isinstance(data, dict) or traffic_of(data) != "full":
+            return data
+        return {**FULL_TRAFFIC, "traffic": "full", **data}
 
     @property
     def merge_rule(self) -> str:
@@ -290,7 +327,11 @@ class RuntimeConfig(Strict):
                                 "different number is present (unset: the workers present)")
     round_timeout: float = Field(30.0, gt=0.0, le=86_400.0,
                                  description="seconds a client waits for neighbours per round")
-    payload_dtype: Literal["float32", "float16"] = "float32"
+    payload_dtype: Literal["float32", "float16", "bfloat16", "int8"] = Field(
+        "float32", description="model tensors on the wire (both drivers: the simulator delivers the rounded values); "
+        "int8: 8-bit codes with a float32 scale per row (core.quantize), a quarter of float32's bytes; robust DFCA "
+        "with dfca.traffic lean defaults to int8",
+    )
     staleness: Literal["drop", "merge"] = Field(
         "drop", description="what a client does with a model that arrives after its round (both drivers: the "
         "simulator's late messages too): drop it, or merge it into the next round's running average",
@@ -325,6 +366,19 @@ class ExperimentConfig(Strict):
     fesem: FeSEMConfig = Field(default_factory=FeSEMConfig)
     fedcref: FedCRefConfig = Field(default_factory=FedCRefConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lean_payloads(cls, data: Any) -> Any:
+        """Robust DFCA with traffic lean sends 8-bit payloads unless runtime.payload_dtype is named."""
+        if not isinstance(data, dict) or data.get("algorithm", "dfca") != "dfca":
+            return data
+        dfca, runtime = data.get("dfca", {}), data.get("runtime", {})
+        variant = dfca.get("variant", "robust") if isinstance(dfca, dict) else dfca.variant
+        named = "payload_dtype" in runtime if isinstance(runtime, dict) else "payload_dtype" in runtime.model_fields_set
+        if variant != "robust" or traffic_of(dfca) != "lean" or named or not isinstance(runtime, dict):
+            return data
+        return {**data, "runtime": {**runtime, "payload_dtype": "int8"}}
 
     @model_validator(mode="before")
     @classmethod

@@ -70,11 +70,15 @@ class RoundSchedule:
         return SeedingStep(t // self.flood_rounds, t % self.flood_rounds, self.flood_rounds)
 
     def gossip_steps(self, t: int) -> int:
-        """G_t, gossip steps of ratio consensus in round t; 0 means a one-hop merge (eq. 7/8)."""
+        """G_t, gossip steps of ratio consensus in round t; 0 means a one-hop merge (eq. 7/8). After the warm-up,
+        every `gossip_every`-th training round gossips, counted back from the last (which always does)."""
         d = self.cfg.dfca
         if self.cfg.algorithm != "dfca" or d.variant != "robust" or t < self.seeding_rounds:
             return 0
-        return d.warmup_gossip_steps if t - self.seeding_rounds < d.warmup_rounds else d.gossip_steps
+        u = t - self.seeding_rounds  # the training round
+        if u < d.warmup_rounds:
+            return d.warmup_gossip_steps
+        return d.gossip_steps if (self.cfg.rounds - 1 - u) % d.gossip_every == 0 else 0
 
     def agrees_on_initial_models(self, t: int) -> bool:
         """Robust DFCA-LI without seeding spends round 0 agreeing on initial models instead of training

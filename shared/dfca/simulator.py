@@ -25,6 +25,7 @@ import networkx as nx
 import torch
 from torch import Tensor
 
+from dfca import principals, topics
 from dfca.algorithms import Algorithm, Exchange, HostContext, Inbox, Outbox, clients_of, server_of
 from dfca.algorithms.base import SERVER, Evaluation, check_finite, report_of
 from dfca.algorithms.dfca import warn_if_flood_too_short
@@ -44,7 +45,7 @@ from dfca.graph import adjacency_matrix, build_graph, neighbours
 from dfca.models import BatchedModel, Params, build_model
 from dfca.run_size import check_fits_memory
 from dfca.schedule import RoundSchedule
-from dfca.wire import body_bytes
+from dfca.wire import PAYLOAD_DTYPES, Envelope, as_received, body_bytes, headers_of, message_bytes
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,11 @@ class Simulation:
         sent = 0.0
         for index, ex in enumerate(self.algorithm.exchanges(t)):
             out = self.side(ex.sender).send(ex)
-            sent += self.traffic(ex, out)
+            sent += self.traffic(ex, out, t)
+            if cfg.runtime.payload_dtype != "float32":  # the values the receivers decode
+                received = as_received(self.side(ex.sender).payload(ex), out.tensors,
+                                       PAYLOAD_DTYPES[cfg.runtime.payload_dtype])
+                out = Outbox(out.row, out.part, received, out.lengths)
             receiver = self.side(ex.receiver)
             mask = on_time if index == 0 else adjacency & self.kept(adjacency.shape)
             receiver.receive(ex, Inbox(self.delivered(ex, out, mask), self.senders(ex, out), out.part, out.tensors, t))
@@ -171,25 +176,29 @@ class Simulation:
     def senders(self, ex: Exchange, out: Outbox) -> Tensor:
         return torch.full_like(out.row, SERVER) if ex.sender == "server" else out.row
 
-    def traffic(self, ex: Exchange, out: Outbox) -> float:
-        """Bytes the clients sent in `ex`: each message's body as the message driver encodes it (safetensors: the
-        tensors, models at `runtime.payload_dtype`, and their header), once per receiver. What a central role
-        sends is not a client's traffic."""
+    def traffic(self, ex: Exchange, out: Outbox, t: int) -> float:
+        """Bytes the clients sent in `ex`: each message as the message driver encodes and publishes it
+        (wire.message_bytes: the safetensors body with models at `runtime.payload_dtype`, the headers, the routing
+        key), once per receiver. What a central role sends is not a client's traffic."""
         if ex.sender == "server":
             return 0.0
+        cfg = self.ctx.cfg
         spec = self.side(ex.sender).payload(ex)
-        model_dtype = torch.float16 if self.ctx.cfg.runtime.payload_dtype == "float16" else torch.float32
+        model_dtype = PAYLOAD_DTYPES[cfg.runtime.payload_dtype]
 
         def size(rows: int | None) -> int:  # a ragged tensor carries `rows` rows (None: all it has)
             return body_bytes(spec, {n: tuple(s.shape) if not s.ragged else
                                      (out.tensors[n].shape[1] if rows is None else rows, *out.tensors[n].shape[2:])
                                      for n, s in spec.items()}, model_dtype)
 
-        messages = out.row.shape[0]
-        if out.lengths is None:
-            per_message = torch.full((messages,), float(size(None)), dtype=torch.float64)
-        else:
-            per_message = torch.tensor([size(int(r)) for r in out.lengths.tolist()], dtype=torch.float64)
+        experiment = topics.experiment_id(cfg.name, "0" * topics.EXPERIMENT_SUFFIX)  # as long as the runtime's
+        workers = cfg.runtime.workers or 1
+        lengths = [None] * out.row.shape[0] if out.lengths is None else out.lengths.tolist()
+        per_message = torch.tensor([
+            message_bytes(size(rows), headers_of(Envelope(experiment, sender, t, ex.name, ex.step, part), model_dtype),
+                          topics.model_key(experiment, principals.host_of(sender, workers), sender, part))
+            for sender, part, rows in zip(out.row.tolist(), out.part.tolist(), lengths, strict=True)
+        ], dtype=torch.float64)
         if ex.receiver == "server":
             return float(per_message.sum())
         receivers = self.ctx.adjacency[out.row].sum(1).double().cpu()
@@ -225,6 +234,7 @@ def round_record(sim: Simulation, t: int, sample: torch.Generator) -> dict[str, 
         "ari": cluster_ari(assigned, truth.cpu()),
         "cluster_acc": cluster_accuracy(assigned, truth.cpu()),
         "bytes_sent_per_client": sim.round_bytes,
+        "bytes_sent_total": sim.total_bytes,  # per client, every round so far (seeding included)
     }
     if ev.cluster_params is not None:
         record["disagreement"] = disagreement(ev.cluster_params)

@@ -52,6 +52,15 @@ def check_word(value: str, what: str) -> str:
     return value
 
 
+EXPERIMENT_SUFFIX = 10  # hex digits after an experiment id's slug
+
+
+def experiment_id(name: str, suffix: str) -> str:
+    """An experiment's id: its name made a routing-key word (at most 24 characters), a dash, `suffix`."""
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-")[:24] or "experiment"
+    return f"{slug}-{suffix}"
+
+
 SERVER_SENDER = -1  # the sender id of a central role (IFCA's server); routing key word "server"
 SERVER_WORD = "server"
 

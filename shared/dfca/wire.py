@@ -3,8 +3,11 @@
 A message is what one hosted row sends in one exchange: named tensors, checked against the exchange's
 payload spec, and the headers experiment, sender, round, exchange, step, part, sha256, dtype and version.
 Its routing key is `<experiment>.<sender>.<part>` (dfca.topics). Tensors travel as CPU tensors: model
-tensors in `runtime.payload_dtype`, weights in float32 or float64, indices in int64. Nothing that crosses
-a process boundary is pickled.
+tensors in `runtime.payload_dtype` (float32, float16, bfloat16, or int8: codes plus a float32 scale per row,
+`<name>#scale`, core.quantize), weights in float32 or float64, indices in int64. Nothing that crosses a
+process boundary is pickled. `as_received` is what a payload's values are after the trip, for a driver that
+delivers without encoding (the simulator); `message_bytes` is what a message costs on the wire: its body,
+its headers and its routing key, as both drivers count it.
 
 `decode_message` is the one decoder: it checks the routing key against the headers (a spoofed sender or
 part), the experiment, the exchange (`spec_of` names its payload, or rejects an exchange the round does
@@ -25,10 +28,14 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from dfca import topics
+from dfca.core.quantize import dequantize, quantize, round_trip
 
 WIRE_VERSION = "2"
 HEADER_KEYS = ("experiment", "sender", "round", "exchange", "step", "part", "sha256", "dtype", "version")
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+PAYLOAD_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
+SCALE = "#scale"  # suffix of an int8 model tensor's scales
+SHA256_HEX = 64
 
 
 @dataclass(frozen=True)
@@ -84,33 +91,70 @@ def _wire_dtype(spec: TensorSpec, model_dtype: torch.dtype) -> torch.dtype:
 def encode_message(
     envelope: Envelope, spec: Spec, model_dtype: torch.dtype = torch.float32
 ) -> tuple[bytes, dict[str, str]]:
-    tensors = {n: envelope.tensors[n].detach().to("cpu", _wire_dtype(s, model_dtype)).contiguous()
-               for n, s in spec.items()}
-    body = st_save(tensors)
-    headers = {
+    tensors: dict[str, torch.Tensor] = {}
+    for n, s in spec.items():
+        t = envelope.tensors[n].detach().to("cpu")
+        if s.kind == "model" and model_dtype == torch.int8:
+            tensors[n], tensors[n + SCALE] = quantize(t)
+        else:
+            tensors[n] = t.to(_wire_dtype(s, model_dtype))
+    body = st_save({n: t.contiguous() for n, t in tensors.items()})
+    return body, headers_of(envelope, model_dtype, sha256(body))
+
+
+def headers_of(envelope: Envelope, model_dtype: torch.dtype, checksum: str = "0" * SHA256_HEX) -> dict[str, str]:
+    """A message's headers (`checksum`: its body's sha256; a placeholder of the same length for counting)."""
+    return {
         "experiment": envelope.experiment,
         "sender": str(envelope.sender),
         "round": str(envelope.round),
         "exchange": envelope.exchange,
         "step": str(envelope.step),
         "part": str(envelope.part),
-        "sha256": sha256(body),
+        "sha256": checksum,
         "dtype": str(model_dtype).removeprefix("torch."),
         "version": WIRE_VERSION,
     }
-    return body, headers
+
+
+def message_bytes(body: int, headers: Mapping[str, str], routing_key: str) -> int:
+    """What one message costs on the wire, as both drivers count it: the body, the headers as an AMQP field table
+    (per entry: key length byte, key, type byte, 4-byte length, value; 4 bytes for the table), the routing key
+    (a length byte and the key). The broker's frame overhead (about 20 bytes a frame) is not counted."""
+    table = 4 + sum(1 + len(k.encode()) + 1 + 4 + len(v.encode()) for k, v in headers.items())
+    return body + table + 1 + len(routing_key.encode())
+
+
+def as_received(spec: Spec, tensors: Mapping[str, torch.Tensor], model_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The payload's values as the receiver decodes them: model tensors rounded to `model_dtype` (or its int8
+    codes) and back to float32; weights and indices travel exactly."""
+    if model_dtype == torch.float32:
+        return dict(tensors)
+    out = {}
+    for n, s in spec.items():
+        t = tensors[n]
+        if s.kind != "model":
+            out[n] = t
+        elif model_dtype == torch.int8:
+            out[n] = round_trip(t)
+        else:
+            out[n] = t.to(model_dtype).to(t.dtype)
+    return out
 
 
 def body_bytes(spec: Spec, shapes: Mapping[str, tuple[int, ...]], model_dtype: torch.dtype = torch.float32) -> int:
     """The length of `encode_message`'s body for tensors of these shapes (the safetensors header included),
     without the tensors: what the simulator counts as sent for a message the message driver would publish."""
-    key = tuple(sorted((n, tuple(shapes[n]), str(_wire_dtype(s, model_dtype))) for n, s in spec.items()))
-    return _body_bytes(key)
+    entries = [(n, tuple(shapes[n]), str(_wire_dtype(s, model_dtype))) for n, s in spec.items()]
+    if model_dtype == torch.int8:
+        entries += [(n + SCALE, tuple(shapes[n])[:-1], str(torch.float32))
+                    for n, s in spec.items() if s.kind == "model"]
+    return _body_bytes(tuple(sorted(entries)))
 
 
 @lru_cache(maxsize=256)
 def _body_bytes(key: tuple[tuple[str, tuple[int, ...], str], ...]) -> int:
-    dtypes = {str(d): d for d in (torch.float16, torch.float32, torch.float64, torch.int64)}
+    dtypes = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int8)}
     return len(st_save({n: torch.empty(shape, dtype=dtypes[d]) for n, shape, d in key}))
 
 
@@ -148,8 +192,10 @@ def read_tensors(body: bytes, headers: Mapping[str, object], spec: Spec) -> dict
         tensors = st_load(bytes(body))
     except Exception as err:  # safetensors raises several types on garbage
         raise PayloadRejected("decode", f"not a safetensors payload: {err}") from err
-    if set(tensors) != set(spec):
-        raise PayloadRejected("shape", f"tensor names {sorted(tensors)} != {sorted(spec)}")
+    quantized = str(headers.get("dtype")) == "int8"
+    names = set(spec) | ({n + SCALE for n, s in spec.items() if s.kind == "model"} if quantized else set())
+    if set(tensors) != names:
+        raise PayloadRejected("shape", f"tensor names {sorted(tensors)} != {sorted(names)}")
     out: dict[str, torch.Tensor] = {}
     for name, s in spec.items():
         t = tensors[name]
@@ -161,6 +207,9 @@ def read_tensors(body: bytes, headers: Mapping[str, object], spec: Spec) -> dict
                 raise PayloadRejected("dtype", f"{name} has dtype {t.dtype}, expected int64")
             out[name] = t
             continue
+        if s.kind == "model" and quantized:
+            out[name] = _dequantized(name, t, tensors[name + SCALE])
+            continue
         if t.dtype not in FLOATS:
             raise PayloadRejected("dtype", f"{name} has dtype {t.dtype}")
         t = t.to(torch.float64 if s.kind == "float64" else torch.float32)
@@ -170,6 +219,17 @@ def read_tensors(body: bytes, headers: Mapping[str, object], spec: Spec) -> dict
             raise PayloadRejected("negative", f"{name} holds a negative weight")
         out[name] = t
     return out
+
+
+def _dequantized(name: str, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if codes.dtype != torch.int8 or scale.dtype != torch.float32:
+        raise PayloadRejected("dtype", f"{name} has dtypes {codes.dtype}, {scale.dtype}; expected int8 and float32")
+    if tuple(scale.shape) != tuple(codes.shape)[:-1]:
+        raise PayloadRejected("shape", f"{name}{SCALE} has shape {tuple(scale.shape)}, expected "
+                              f"{tuple(codes.shape)[:-1]}")
+    if not torch.isfinite(scale).all() or bool((scale < 0).any()):
+        raise PayloadRejected("non_finite", f"{name}{SCALE} holds a negative or non-finite scale")
+    return dequantize(codes, scale)
 
 
 def decode_message(

@@ -33,7 +33,7 @@ from dfca.core import accuracy_with, loss_matrix
 from dfca.data import FederatedData
 from dfca.models import BatchedModel, Params
 from dfca.schedule import RoundSchedule
-from dfca.wire import TensorSpec
+from dfca.wire import PAYLOAD_DTYPES, TensorSpec, as_received
 
 Side = Literal["clients", "server"]
 SERVER = topics.SERVER_SENDER  # the sender id of a central role
@@ -219,6 +219,14 @@ class Algorithm(ABC):
     # -- helpers the algorithms share ----------------------------------------------------------------
     def model_spec(self, lead: tuple[int, ...] = (), prefix: str = "") -> dict[str, TensorSpec]:
         return {prefix + n: TensorSpec((*lead, *s)) for n, s in self.ctx.model.shapes().items()}
+
+    def wire_rounding(self) -> Callable[[Params], Params] | None:
+        """What crossing the wire does to a batch of models [R, ...] (runtime.payload_dtype; None: float32, nothing)."""
+        dtype = self.ctx.cfg.runtime.payload_dtype
+        if dtype == "float32":
+            return None
+        spec = self.model_spec()
+        return lambda models: as_received(spec, models, PAYLOAD_DTYPES[dtype])
 
     def data(self) -> FederatedData:
         assert self.ctx.data is not None, "a central role holds no client data"

@@ -95,7 +95,7 @@ class DFCA(Algorithm):
     def begin_round(self, t: int) -> None:
         if (step := self.schedule.seeding(t)) is not None:
             if self.seeds is None:
-                self.seeds = SeedCandidates(self.local_models(t), self.ctx.rows)
+                self.seeds = SeedCandidates(self.local_models(t), self.ctx.rows, self.wire_rounding())
             if step.first:
                 self.seeds.open(step.slot, first_slot_scores(self.ctx.cfg.seed, self.ctx.clients) if step.slot == 0
                                 else fit_scores(self.losses, step.slot))
@@ -117,7 +117,8 @@ class DFCA(Algorithm):
             if anchor is not None:
                 self.consensus = StepConsensus(self.params, m, self.screen(anchor))
             else:
-                self.consensus = WalkConsensus(m) if self.ctx.whole else StepConsensus(self.params, m)
+                exact = self.ctx.whole and cfg.runtime.payload_dtype == "float32"  # nothing rounds what is sent
+                self.consensus = WalkConsensus(m) if exact else StepConsensus(self.params, m)
         else:
             self.weight = self_weights(self.assigned, self.k, cfg.dfca.merge_rule)
 
@@ -253,7 +254,7 @@ class DFCA(Algorithm):
         self.seeds = None
         if "seed.score" in tensors:
             local = {n: v.to(self.ctx.device) for n, v in params_in(tensors, "seed.local.").items()}
-            self.seeds = SeedCandidates(local, self.ctx.rows)
+            self.seeds = SeedCandidates(local, self.ctx.rows, self.wire_rounding())
             self.seeds.restore(tensors["seed.score"], tensors["seed.origin"], int(tensors["seed.slot"]),
                                params_in(tensors, "seed.candidate."))
 

@@ -94,10 +94,15 @@ def best_arrivals(score: Tensor, origin: Tensor, delivered: Tensor) -> Tensor:
 class SeedCandidates:
     """The candidate (score, origin) each hosted client holds, and where its model is: a hosted client's
     local model, or a model that arrived with a candidate. A driver hosting every client never needs
-    the second: it carries origins alone, and models are read only when a slot closes."""
+    the second: it carries origins alone, and models are read only when a slot closes.
 
-    def __init__(self, local: Params, clients: Tensor) -> None:
+    `wire` is what crossing the wire does to a model (a lossy payload's rounding, dfca.wire.as_received; None:
+    nothing): a client holding another client's candidate holds it as received, wherever its origin is hosted.
+    The rounding is idempotent, so a copy relayed any number of times is that copy."""
+
+    def __init__(self, local: Params, clients: Tensor, wire: Callable[[Params], Params] | None = None) -> None:
         self.local = local  # phi [M, ...]
+        self.wire = wire
         self.clients = clients
         self.row = {int(c): r for r, c in enumerate(clients.tolist())}
         self.score = torch.zeros(clients.shape[0], dtype=torch.float64, device=clients.device)
@@ -120,12 +125,19 @@ class SeedCandidates:
         return {n: v[r] for n, v in self.local.items()} if r is not None else self.arrived[origin]
 
     def models(self) -> Params:
-        """[M, ...]: the model of every hosted client's candidate."""
+        """[M, ...]: the model of every hosted client's candidate (as received where it is another client's)."""
         if all(o in self.row for o in self.origin.tolist()):
             rows = torch.tensor([self.row[o] for o in self.origin.tolist()], device=self.origin.device)
-            return {n: v.index_select(0, rows) for n, v in self.local.items()}
-        chosen = [self.model(o) for o in self.origin.tolist()]
-        return {n: torch.stack([c[n] for c in chosen]) for n in self.local}
+            out = {n: v.index_select(0, rows) for n, v in self.local.items()}
+        else:
+            chosen = [self.model(o) for o in self.origin.tolist()]
+            out = {n: torch.stack([c[n] for c in chosen]) for n in self.local}
+        relayed = (self.origin != self.clients).nonzero().squeeze(1)
+        if self.wire is not None and relayed.numel():
+            received = self.wire({n: v.index_select(0, relayed) for n, v in out.items()})
+            for n, v in out.items():
+                v.index_copy_(0, relayed, received[n].to(v.dtype))
+        return out
 
     def offer(self, delivered: Tensor, score: Tensor, origin: Tensor, models: Mapping[str, Tensor],
               check: Callable[[Tensor, Params], Tensor] | None = None) -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 import uuid
@@ -70,8 +69,7 @@ class ConfigRejected(ValueError):
 
 
 def experiment_id(cfg: ExperimentConfig) -> str:
-    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", cfg.name).strip("-")[:24] or "experiment"
-    return f"{slug}-{uuid.uuid4().hex[:10]}"
+    return topics.experiment_id(cfg.name, uuid.uuid4().hex[:topics.EXPERIMENT_SUFFIX])
 
 
 class Coordinator:

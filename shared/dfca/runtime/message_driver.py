@@ -54,7 +54,7 @@ from dfca.runtime.host_transport import RunInterrupted
 from dfca.runtime.liveness import NeighbourLiveness
 from dfca.transport import Message, Transport
 from dfca.transport.broker_setup import ensure_broker_topology
-from dfca.wire import Envelope, PayloadRejected, Spec, decode_message, encode_message
+from dfca.wire import PAYLOAD_DTYPES, Envelope, PayloadRejected, Spec, decode_message, encode_message, message_bytes
 
 log = logging.getLogger(__name__)
 # A live neighbour is a round or two ahead at most (it waits for this client's messages, or a deadline, in every
@@ -112,7 +112,7 @@ class MessageDriver:
         self.ids = list(ctx.clients)
         self.queues = ([topics.server_queue(experiment)] if self.side == "server"
                        else [topics.client_queue(experiment, c, self.host_of(c)) for c in self.ids])
-        self.model_dtype = torch.float16 if self.cfg.runtime.payload_dtype == "float16" else torch.float32
+        self.model_dtype = PAYLOAD_DTYPES[self.cfg.runtime.payload_dtype]
         self.round, self.index, self.rounds_done = -1, -1, 0
         self.exchanges: list[Exchange] = []
         self.held: list[Delivery] = []  # messages of later exchanges
@@ -128,7 +128,7 @@ class MessageDriver:
         self.liveness = NeighbourLiveness()
         self.stats = DriverStats()
         self.counted_refusals: Counter[str] = Counter()  # the algorithm's refusals already in stats.rejected
-        self.bytes_sent = 0  # payload bytes the hosted clients sent since `take_bytes_sent`, once per receiver
+        self.bytes_sent = 0  # what the hosted clients sent (wire.message_bytes) since `take_bytes_sent`, per receiver
         self.opened_at, self.first_arrival = 0.0, None  # of the open exchange
         self._next_check = 0.0
 
@@ -241,9 +241,9 @@ class MessageDriver:
             key = topics.model_key(self.experiment, self.host_of(sender), sender, part)
             self.transport.publish(topics.MODELS_EXCHANGE, key, body, headers)
             self.stats.published += 1
-            if self.side == "clients":  # a client's traffic: the body once per receiver, as the simulator counts
+            if self.side == "clients":  # a client's traffic: the message once per receiver, as the simulator counts
                 receivers = 1 if ex.receiver == "server" else len(self.algorithm.ctx.graph.get(sender, ()))
-                self.bytes_sent += len(body) * receivers
+                self.bytes_sent += message_bytes(len(body), headers, key) * receivers
 
     def collect(self, timeout: float) -> bool:
         """Receive the open exchange's messages until none is due or its deadline passes. True if none is missing."""

@@ -2,7 +2,8 @@
 
 dfca_experiment_round, dfca_worker_round, dfca_messages_{published,applied,duplicate,stale_dropped,
 not_neighbour}_total, dfca_messages_rejected_total{reason}, dfca_messages_dead_lettered_total,
-dfca_gossip_screened_total,
+dfca_gossip_screened_total, dfca_client_bytes_sent_total (what the clients sent, each message counted once per
+receiver with its headers and routing key: the simulator's `bytes_sent_per_client_per_round` x rounds x clients),
 dfca_round_timeouts_total, dfca_message_lag_seconds, dfca_test_accuracy, dfca_cluster_ari,
 dfca_cluster_accuracy{cluster}, dfca_experiment_status{status}; every one labelled by experiment.
 """
@@ -46,6 +47,8 @@ class RuntimeCollector(Collector):
                                             labels=[*label, "reason"]),
             "dead_lettered": CounterMetricFamily("dfca_messages_dead_lettered", "Messages seen on the dead-letter "
                                                  "exchange", labels=label),
+            "bytes_sent": CounterMetricFamily("dfca_client_bytes_sent", "Bytes the clients sent (body, headers and "
+                                              "routing key), each message once per receiver", labels=label),
             "timeouts": CounterMetricFamily("dfca_round_timeouts", "Rounds that ended on the round timeout",
                                             labels=label),
             "lag": GaugeMetricFamily("dfca_message_lag_seconds", "Mean publish-to-delivery lag, last round",
@@ -80,6 +83,8 @@ class RuntimeCollector(Collector):
         for reason, count in totals["rejected"].items():
             families["rejected"].add_metric([experiment_id, reason], float(count))
         by_round = latest_by_round(reports)
+        families["bytes_sent"].add_metric([experiment_id], float(sum(r.bytes_published for chosen in by_round.values()
+                                                                     for r in chosen.values())))
         worker_round: dict[int, int] = {}
         for round_, by_worker in by_round.items():
             for w in by_worker:
