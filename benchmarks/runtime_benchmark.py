@@ -32,13 +32,16 @@ from typing import Any
 import httpx
 import pika
 import torch
+import yaml
 
+import dfca
 from dfca import topics
 from dfca.config import ExperimentConfig
 from dfca.data import build_federated_data
 from dfca.models import build_model
 from dfca.runtime.host_transport import HostTransport
 from dfca.runtime.launcher import Stack, StackOptions
+from dfca.runtime.message_driver import PHASES
 from dfca.runtime.metrics_store import MetricsStore
 from dfca.settings import DEFAULT_BROKER_URL
 from dfca.simulator import simulate
@@ -46,6 +49,12 @@ from dfca.transport import RabbitMQTransport
 from dfca.wire import Envelope, TensorSpec, encode_message
 
 TOKEN = "benchmark"
+
+
+def demo_config(rounds: int) -> dict[str, Any]:
+    """`dfca run`'s demo config with `rounds` training rounds."""
+    demo = yaml.safe_load((Path(dfca.__file__).parent / "configs" / "demo.yaml").read_text())
+    return {**demo, "rounds": rounds, "runtime": {**demo.get("runtime", {}), "round_timeout": 30.0}}
 
 
 def bench_config(rounds: int) -> dict[str, Any]:
@@ -76,12 +85,26 @@ def runtime_round_seconds(cfg: dict[str, Any], broker: str, state_dir: Path,
                           during: Callable[[str], Callable[[], None]] | None = None) -> tuple[float, float]:
     """(steady-state seconds per round, final accuracy) of one runtime run; `broker_users`: each process its own
     broker user; `during(experiment)` starts something alongside the run and returns how to stop it."""
+    seconds, accuracy, _ = runtime_profile(cfg, broker, state_dir, broker_users, during)
+    return seconds, accuracy
+
+
+def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
+                    during: Callable[[str], Callable[[], None]] | None = None
+                    ) -> tuple[float, float, dict[str, float]]:
+    """`runtime_round_seconds` and where a round's time goes: each phase's seconds per round (the message
+    driver's DriverStats.seconds, PHASES), mean over the workers."""
     summary, reports = runtime_run(cfg, broker, state_dir, broker_users, during)
     done_at: dict[int, float] = {}
+    last: dict[int, Any] = {}
     for report in reports:  # a round is done when its last worker reports it
         done_at[report.round] = max(done_at.get(report.round, 0.0), report.at)
+        if report.round >= last.get(report.worker, report).round:
+            last[report.worker] = report
     rounds = sorted(done_at)
-    return (done_at[rounds[-1]] - done_at[rounds[0]]) / (len(rounds) - 1), summary["test_accuracy"]
+    phases = {p: statistics.mean(r.stats.get("seconds", {}).get(p, 0.0) / (r.round + 1) for r in last.values())
+              for p in PHASES}
+    return (done_at[rounds[-1]] - done_at[rounds[0]]) / (len(rounds) - 1), summary["test_accuracy"], phases
 
 
 def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
@@ -253,18 +276,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--messages", type=int, default=300)
     parser.add_argument("--skip-rounds", action="store_true", help="only the exchange benchmark")
+    parser.add_argument("--skip-exchange", action="store_true", help="only the seconds per round")
+    parser.add_argument("--traffic", choices=["lean", "full"], default="lean", help="dfca.traffic of the run")
+    parser.add_argument("--demo", action="store_true", help="the demo config (shared/dfca/configs/demo.yaml) instead")
     args = parser.parse_args()
 
     rows: list[tuple[str, str, str, str, str]] = []
+    phases: dict[str, float] = {}
     if not args.skip_rounds:
-        cfg = bench_config(args.rounds)
+        cfg = demo_config(args.rounds) if args.demo else bench_config(args.rounds)
+        cfg["dfca"] = {**cfg.get("dfca", {}), "traffic": args.traffic}
+        clients = ExperimentConfig.model_validate(cfg).data.clients
         sim_s, sim_acc = simulator_round_seconds(cfg)
         with tempfile.TemporaryDirectory() as tmp:
-            run_s, run_acc = runtime_round_seconds(cfg, args.broker, Path(tmp))
-        rows.append(("seconds per round (24 clients, 3 workers)", f"{run_s:.3f}", f"{sim_s:.3f} (simulator)",
-                     f"{run_s / sim_s:.2f}x", "<= 1.25x"))
+            run_s, run_acc, phases = runtime_profile(cfg, args.broker, Path(tmp))
+        rows.append((f"seconds per round ({clients} clients, 3 workers, traffic {args.traffic})", f"{run_s:.3f}",
+                     f"{sim_s:.3f} (simulator)", f"{run_s / sim_s:.2f}x", "<= 1.25x"))
         rows.append(("final test accuracy", f"{run_acc:.4f}", f"{sim_acc:.4f} (simulator)", "", ""))
-    for hidden in (64, 200):
+    for hidden in () if args.skip_exchange else (64, 200):
         runtime_rate, raw_rate, size = exchange_rates(args.broker, hidden, args.messages)
         rows.append((f"model exchange MB/s ({size / 1e3:.0f} kB payloads)", f"{runtime_rate:.1f}",
                      f"{raw_rate:.1f} (raw pika)", f"{runtime_rate / raw_rate:.0%}", ">= 70%"))
@@ -274,6 +303,13 @@ def main() -> None:
     header = ("metric", "runtime", "baseline", "ratio", "goal")
     for row in [header, tuple("-" * w for w in widths), *rows]:
         print("| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + " |")
+    if phases:
+        total = sum(phases.values())
+        print("\nwhere a worker's round goes (seconds per round, mean over the 3 workers):\n")
+        print("| phase | seconds | share |\n|---|---|---|")
+        for phase, seconds in phases.items():
+            print(f"| {phase} | {seconds:.3f} | {seconds / total:.0%} |")
+        print(f"| all | {total:.3f} | |")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from dfca.evaluation import cluster_ari, populated_clusters
 from dfca.graph import neighbours
 from dfca.runtime.experiments import RUNTIME_ALGORITHMS
 from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
+from dfca.runtime.message_driver import PHASES
 from dfca.schedule import RoundSchedule
 from dfca.simulator import Simulation, prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport, RabbitMQTransport
@@ -120,6 +121,8 @@ def test_robust_drivers_match_the_simulator(init: str, hosts: int) -> None:
         assert not d.stats.rejected and d.stats.timeouts == 0 and d.stats.stale_dropped == 0
         assert d.algorithm.consensus is None  # type: ignore[attr-defined]
         assert_rows_match(d.algorithm.params, sim.algorithm.params, d.ids)
+        assert set(d.stats.as_dict()["seconds"]) == set(PHASES)  # where the driver's time went, phase by phase
+        assert all(d.stats.seconds[p] > 0 for p in ("train", "publish", "receive", "mix"))
     # one gossip message per neighbour and step, each applied once; one published per client and step
     assert sum(d.stats.applied for d in run.drivers) == sum(steps) * int(ctx.adjacency.sum())
     assert sum(d.stats.published for d in run.drivers) == sum(steps) * cfg.data.clients

@@ -206,8 +206,9 @@ def poison_on_every_exchange(experiment: str) -> list[tuple[str, str, bytes, dic
 def test_synchronous_batch_run_matches_the_simulator_through_poison_messages(stack: Stack, rabbitmq_url: str) -> None:
     """A malformed message on every exchange during the run is dead-lettered once and the run ends exactly where
     the simulator does (no reconnect loop, nothing lost, no round timed out)."""
-    cfg = rotated_mnist(name="equiv", aggregation="batch", rounds=4, seed=5, runtime={"round_timeout": 120.0},
-                        data={"clients": 12, "train_per_client": 40})
+    cfg = rotated_mnist(name="equiv", aggregation="batch", rounds=4, seed=5,
+                        data={"clients": 12, "train_per_client": 40},
+                        runtime={"round_timeout": 120.0, "payload_dtype": "float32"})  # exact: no rounding to flip
     api = Api.of(stack)
     experiment = api.create_and_start(cfg)
     api.wait_round(experiment, 1)

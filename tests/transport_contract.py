@@ -291,6 +291,24 @@ class TransportContract:
         assert transport.receive(queue, QUIET_S) is None
         assert transport.receive(queue) is None
 
+    def test_receive_any_wakes_on_the_first_arrival_on_any_queue(self, transport: Transport, names: Names) -> None:
+        exchange, queues = topic_setup(transport, names, {"a": ["a"], "b": ["b"], "c": ["c"]})
+        order = [queues["a"], queues["b"], queues["c"]]
+        assert transport.receive_any(order, QUIET_S) is None
+        timer = threading.Timer(0.3, lambda: transport.publish(exchange, "c", b"late"))
+        began = time.monotonic()
+        timer.start()
+        got = transport.receive_any(order, PATIENCE_S)
+        waited = time.monotonic() - began
+        timer.join()
+        assert got is not None and got[0] == 2 and got[1].body == b"late"
+        assert waited < PATIENCE_S / 2, waited  # woken by the arrival, not by the timeout
+        transport.ack(got[1])
+        transport.publish(exchange, "a", b"first")
+        got = transport.receive_any(order, PATIENCE_S)
+        assert got is not None and got[0] == 0 and got[1].body == b"first"
+        transport.ack(got[1])
+
     def test_concurrent_publishers_and_consumers_lose_nothing(self, transport: Transport, names: Names) -> None:
         exchange, queues = topic_setup(transport, names, {"q": ["load.#"]})
         threads_n, per_thread = 4, 200

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from dfca import topics
 from dfca.transport import Message, QueueLimits, Transport
@@ -98,6 +98,14 @@ class HostTransport(Transport):
         if message is not None:
             self._note(message)
         return message
+
+    def receive_any(self, queues: Sequence[str], timeout: float = 0.0) -> tuple[int, Message] | None:
+        if self._interrupted.is_set():
+            raise RunInterrupted
+        got = self.inner.receive_any(queues, timeout)
+        if got is not None:
+            self._note(got[1])
+        return got
 
     def ack(self, message: Message) -> None:
         self._pending_acks.append(message)

@@ -38,7 +38,8 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,11 @@ KEEP_GOING_EVERY_S = 0.25  # how often a waiting driver asks whether to go on
 # valid messages per round and never a malformed one; a flood sends thousands.
 BLOCK_AFTER_INVALID = 20
 Identity = tuple[int, int, int, str, int, int]  # receiver, sender, round, exchange, step, part
+# Where a round's time goes (DriverStats.seconds, cumulative): train = the algorithm's begin_round (assignment and
+# local training); publish = send, encode and publish (publisher confirms included); receive = checking, decoding
+# and folding what arrived; wait = the rest of collecting (nothing to do: waiting on neighbours or the broker);
+# mix = end_exchange and end_round (a gossip step's mixing, the losses for the next assignment).
+PHASES = ("train", "publish", "receive", "wait", "mix")
 
 
 @dataclass
@@ -84,10 +90,12 @@ class DriverStats:
     screened: int = 0  # (gossip arrival, cluster) pairs screened gossip dropped
     blocked: int = 0  # senders cut off for flooding malformed messages
     rejected: Counter[str] = field(default_factory=Counter)
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # per phase, see PHASES
 
     def as_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "rejected"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("rejected", "seconds")}
         out["rejected"] = dict(self.rejected)
+        out["seconds"] = dict(self.seconds)
         out["rejected_total"] = sum(self.rejected.values())
         return out
 
@@ -204,7 +212,8 @@ class MessageDriver:
             log.info("round %d: %s heard from again", t, revived)
         self.dead = self.liveness.dead
         self.exchanges = self.algorithm.exchanges(t)
-        self.algorithm.begin_round(t)
+        with self.timed("train"):
+            self.algorithm.begin_round(t)
 
     def start_exchange(self, index: int) -> None:
         """Open exchange `index` of the round: publish this side's messages, then take the held ones of it."""
@@ -215,11 +224,21 @@ class MessageDriver:
                         for r in range(len(self.ids))]
         self.batch, self.opened_at, self.first_arrival = [], time.monotonic(), None
         if ex.sender == self.side:
-            self.publish(ex)  # before anything arrived is folded in: what the row sends is its own
+            with self.timed("publish"):
+                self.publish(ex)  # before anything arrived is folded in: what the row sends is its own
         held, self.held = self.held, []
         self.held_ids.clear()
-        for delivery in held:
-            self._route(delivery)
+        with self.timed("receive"):
+            for delivery in held:
+                self._route(delivery)
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.seconds[phase] += time.perf_counter() - began
 
     def take_bytes_sent(self) -> int:
         sent, self.bytes_sent = self.bytes_sent, 0
@@ -248,6 +267,7 @@ class MessageDriver:
     def collect(self, timeout: float) -> bool:
         """Receive the open exchange's messages until none is due or its deadline passes. True if none is missing."""
         ex = self.exchanges[self.index]
+        began, received = time.perf_counter(), self.stats.seconds["receive"]
         while any(self.waiting):
             got = False
             for r, queue in enumerate(self.queues):
@@ -262,18 +282,20 @@ class MessageDriver:
             if deadline is not None and now >= deadline:
                 break
             self._check_keep_going(now)
-            r = next(r for r, w in enumerate(self.waiting) if w)
+            rows = [r for r, w in enumerate(self.waiting) if w]
             wait = 0.05 if deadline is None else min(0.05, deadline - now)
-            if (message := self.transport.receive(self.queues[r], wait)) is not None:
-                self.handle(r, message)
+            if (got := self.transport.receive_any([self.queues[r] for r in rows], wait)) is not None:
+                self.handle(rows[got[0]], got[1])  # woken by the first arrival on any waiting row's queue
         missing = {m for w in self.waiting for m in w}
         if missing:
             self.stats.timeouts += 1
             self.missed |= missing
             log.warning("round %d %s %d: timed out waiting for %s", self.round, ex.name, ex.step, sorted(missing))
-        for delivery in sorted(self.batch, key=lambda d: (d.envelope.sender, d.row)):
-            self._deliver(delivery, stale=False)
+        with self.timed("receive"):
+            for delivery in sorted(self.batch, key=lambda d: (d.envelope.sender, d.row)):
+                self._deliver(delivery, stale=False)
         self.batch = []
+        self.stats.seconds["wait"] += time.perf_counter() - began - (self.stats.seconds["receive"] - received)
         return not missing
 
     def _check_keep_going(self, now: float) -> None:
@@ -283,10 +305,12 @@ class MessageDriver:
                 raise RunInterrupted
 
     def end_exchange(self) -> None:
-        self.algorithm.end_exchange(self.exchanges[self.index])
+        with self.timed("mix"):
+            self.algorithm.end_exchange(self.exchanges[self.index])
 
     def end_round(self) -> None:
-        self.algorithm.end_round(self.round)
+        with self.timed("mix"):
+            self.algorithm.end_round(self.round)
         self.stats.screened = self.algorithm.screened
         expected = {m for r in range(len(self.ids)) for ex in self.exchanges if ex.receiver == self.side
                     for m in self.sources(r, ex)} - {SERVER}  # a central role is never presumed dead
@@ -297,6 +321,10 @@ class MessageDriver:
     # -- messages -------------------------------------------------------------------------------------------
     def handle(self, row: int, message: Message) -> None:
         """Check one message delivered to row `row`'s queue, then fold, hold, drop or reject it."""
+        with self.timed("receive"):
+            self._handle(row, message)
+
+    def _handle(self, row: int, message: Message) -> None:
         if not self.from_senders_host(message):
             self.stats.rejected["publisher"] += 1
             log.warning("rejected message %s for %s: published by %r, not by its sender's host", message.routing_key,

@@ -7,9 +7,12 @@ share one contract test suite (`tests/transport_contract.py`):
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+POLL_S = 0.005  # how often the generic receive_any looks again
 
 
 class TransportError(RuntimeError):
@@ -81,7 +84,8 @@ class Transport(ABC):
     Semantics both implementations keep:
     - `publish` returns once the broker has accepted the message (publisher confirm);
       a message that matches no binding is dropped, as in AMQP.
-    - `receive` pops the next message of a queue or returns None after `timeout` seconds.
+    - `receive` pops the next message of a queue or returns None after `timeout` seconds; `receive_any`
+      does so for the first of several queues to have one, waking as soon as one arrives.
     - A received message stays unacknowledged until `ack`; `reject(requeue=False)` sends it
       to the queue's dead-letter exchange; `reject(requeue=True)` redelivers it.
     - Fanout exchanges ignore the routing key.
@@ -114,6 +118,19 @@ class Transport(ABC):
 
     @abstractmethod
     def receive(self, queue: str, timeout: float = 0.0) -> Message | None: ...
+
+    def receive_any(self, queues: Sequence[str], timeout: float = 0.0) -> tuple[int, Message] | None:
+        """The next message of any of `queues`, as (its queue's index, the message), or None after `timeout`
+        seconds. This one polls; the implementations wake when a message arrives."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for index, queue in enumerate(queues):
+                if (message := self.receive(queue, 0.0)) is not None:
+                    return index, message
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            time.sleep(min(POLL_S, remaining))
 
     @abstractmethod
     def ack(self, message: Message) -> None: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from dfca.transport.base import Message, QueueLimits, Transport, TransportError, topic_matches
@@ -124,19 +124,31 @@ class InMemoryTransport(Transport):
             self.broker.route(exchange, routing_key, body, headers or {}, self.user)
 
     def receive(self, queue: str, timeout: float = 0.0) -> Message | None:
+        got = self.receive_any([queue], timeout)
+        return None if got is None else got[1]
+
+    def receive_any(self, queues: Sequence[str], timeout: float = 0.0) -> tuple[int, Message] | None:
         self._check()
         with self.broker.lock:
-            q = self.broker.queues.get(queue)
-            if q is None:
-                raise TransportError(f"queue {queue!r} is not declared")
-            if not q.ready and timeout > 0:
-                self.broker.lock.wait_for(lambda: bool(q.ready) or self.closed, timeout)
-            if not q.ready or self.closed:
+            found = []
+            for queue in queues:
+                q = self.broker.queues.get(queue)
+                if q is None:
+                    raise TransportError(f"queue {queue!r} is not declared")
+                found.append(q)
+
+            def first_ready() -> int | None:
+                return next((i for i, q in enumerate(found) if q.ready), None)
+
+            if first_ready() is None and timeout > 0:
+                self.broker.lock.wait_for(lambda: first_ready() is not None or self.closed, timeout)
+            index = first_ready()
+            if index is None or self.closed:
                 return None
-            msg = q.ready.popleft()
-            q.unacked[msg.tag] = msg
-            self._mine[msg.tag] = queue
-            return msg
+            msg = found[index].ready.popleft()
+            found[index].unacked[msg.tag] = msg
+            self._mine[msg.tag] = queues[index]
+            return index, msg
 
     def _settle(self, message: Message) -> tuple[_Queue, Message]:
         queue = self._mine.pop(message.tag, None)

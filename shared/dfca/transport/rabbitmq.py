@@ -58,7 +58,7 @@ import queue as queue_module
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
@@ -254,6 +254,8 @@ class RabbitMQTransport(Transport):
 
         # Shared between user threads and the I/O thread.
         self._lock = threading.Lock()
+        self._arrival = threading.Condition()  # notified on every delivery (receive_any waits on it)
+        self._arrivals = 0
         self._closed = False
         self._tags = itertools.count(1)
         self._deliveries: dict[int, _Delivery] = {}
@@ -414,6 +416,27 @@ class RabbitMQTransport(Transport):
             return None
         return message
 
+    def receive_any(self, queues: Sequence[str], timeout: float = 0.0) -> tuple[int, Message] | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._arrival:
+                seen = self._arrivals
+            for index, queue in enumerate(queues):  # not under _arrival: receive may wait on the I/O thread
+                if (message := self.receive(queue, 0.0)) is not None:
+                    return index, message
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            with self._arrival:
+                if self._arrivals == seen:  # nothing arrived since the look
+                    self._arrival.wait(remaining)
+
+    def _notify_arrival(self) -> None:
+        """A delivery, a close or a queue's deletion: wake every receive_any."""
+        with self._arrival:
+            self._arrivals += 1
+            self._arrival.notify_all()
+
     def ack(self, message: Message) -> None:
         delivery = self._take_delivery(message)
         self._submit(lambda: self._settle(delivery, lambda ch, tag: ch.basic_ack(tag), final=True))
@@ -438,6 +461,7 @@ class RabbitMQTransport(Transport):
             self._thread.join(CLOSE_TIMEOUT_S)
         for consumer in consumers:
             consumer.buffer.put(None)
+        self._notify_arrival()
 
     # ------------------------------------------------------------------ user-thread helpers
 
@@ -853,6 +877,7 @@ class RabbitMQTransport(Transport):
         consumer.channel = None
         self._drop_buffered(consumer)
         consumer.buffer.put(None)  # wake a waiting receive(); it sees the queue is gone
+        self._notify_arrival()
         if channel is not None and channel.is_open:
             channel.close()
 
@@ -949,6 +974,7 @@ class RabbitMQTransport(Transport):
         with self._lock:
             self._deliveries[tag] = _Delivery(consumer, consumer.generation, delivery_tags, chunk_id)
         consumer.buffer.put(message)
+        self._notify_arrival()
 
     def _adjust_prefetch(self, consumer: _Consumer) -> None:
         """Keep room for `prefetch` messages beyond the chunk parts held, so chunked messages complete."""
