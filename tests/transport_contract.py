@@ -291,6 +291,16 @@ class TransportContract:
         assert transport.receive(queue, QUIET_S) is None
         assert transport.receive(queue) is None
 
+    def test_publish_many_delivers_each_in_order(self, transport: Transport, names: Names) -> None:
+        exchange, queues = topic_setup(transport, names, {"a": ["a"], "b": ["b"]})
+        transport.publish_many([(exchange, "a" if i % 2 else "b", str(i).encode(), {"i": str(i)}) for i in range(40)])
+        for label, first in (("b", 0), ("a", 1)):
+            got = [must_receive(transport, queues[label]) for _ in range(20)]
+            assert [int(m.body) for m in got] == list(range(first, 40, 2))
+            assert all(m.headers["i"] == m.body.decode() for m in got)
+            for m in got:
+                transport.ack(m)
+
     def test_receive_any_wakes_on_the_first_arrival_on_any_queue(self, transport: Transport, names: Names) -> None:
         exchange, queues = topic_setup(transport, names, {"a": ["a"], "b": ["b"], "c": ["c"]})
         order = [queues["a"], queues["b"], queues["c"]]

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from dfca import topics
 from dfca.transport import Message, QueueLimits, Transport
+from dfca.transport.base import Outgoing
 
 SENT_AT_HEADER = "sent_at"
 
@@ -87,9 +88,13 @@ class HostTransport(Transport):
     def publish(
         self, exchange: str, routing_key: str, body: bytes, headers: Mapping[str, str] | None = None
     ) -> None:
-        stamped = {**(headers or {}), SENT_AT_HEADER: f"{time.time():.6f}"}
-        self.inner.publish(exchange, routing_key, body, stamped)
-        self.bytes_published += len(body)
+        self.publish_many([(exchange, routing_key, body, headers)])
+
+    def publish_many(self, messages: Sequence[Outgoing]) -> None:
+        now = f"{time.time():.6f}"
+        self.inner.publish_many([(exchange, key, body, {**(headers or {}), SENT_AT_HEADER: now})
+                                 for exchange, key, body, headers in messages])
+        self.bytes_published += sum(len(body) for _, _, body, _ in messages)
 
     def receive(self, queue: str, timeout: float = 0.0) -> Message | None:
         if self._interrupted.is_set():

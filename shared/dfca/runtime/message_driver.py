@@ -245,12 +245,13 @@ class MessageDriver:
         return sent
 
     def publish(self, ex: Exchange) -> None:
-        """Every hosted row's message of `ex`, one publish each (the broker fans it out)."""
+        """Every hosted row's message of `ex`, one publish each (the broker fans it out), handed over together."""
         out = self.algorithm.send(ex)
         spec = self.algorithm.payload(ex)
         models = self.algorithm.ctx.model.shapes()
         check_finite(self.algorithm, self.round,
                      {n: out.tensors[n] for n in spec if n in models or n.split(".", 1)[-1] in models})
+        batch, sent = [], 0
         for s, (row, part) in enumerate(zip(out.row.tolist(), out.part.tolist(), strict=True)):
             sender = self.ids[row]
             rows = None if out.lengths is None else int(out.lengths[s])
@@ -258,11 +259,13 @@ class MessageDriver:
                                 {n: out.tensors[n][s][:rows] if spec[n].ragged else out.tensors[n][s] for n in spec})
             body, headers = encode_message(envelope, spec, self.model_dtype)
             key = topics.model_key(self.experiment, self.host_of(sender), sender, part)
-            self.transport.publish(topics.MODELS_EXCHANGE, key, body, headers)
-            self.stats.published += 1
+            batch.append((topics.MODELS_EXCHANGE, key, body, headers))
             if self.side == "clients":  # a client's traffic: the message once per receiver, as the simulator counts
                 receivers = 1 if ex.receiver == "server" else len(self.algorithm.ctx.graph.get(sender, ()))
-                self.bytes_sent += message_bytes(len(body), headers, key) * receivers
+                sent += message_bytes(len(body), headers, key) * receivers
+        self.transport.publish_many(batch)  # the rows' messages together: their confirms are awaited as one
+        self.stats.published += len(batch)
+        self.bytes_sent += sent
 
     def collect(self, timeout: float) -> bool:
         """Receive the open exchange's messages until none is due or its deadline passes. True if none is missing."""

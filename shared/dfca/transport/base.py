@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 POLL_S = 0.005  # how often the generic receive_any looks again
+Outgoing = tuple[str, str, bytes, Mapping[str, str] | None]  # exchange, routing key, body, headers
 
 
 class TransportError(RuntimeError):
@@ -115,6 +116,12 @@ class Transport(ABC):
     def publish(
         self, exchange: str, routing_key: str, body: bytes, headers: Mapping[str, str] | None = None
     ) -> None: ...
+
+    def publish_many(self, messages: Sequence[Outgoing]) -> None:
+        """Publish each (exchange, routing key, body, headers) in order; returns once the broker accepted all.
+        This one publishes them one by one; RabbitMQ awaits the batch's confirms together."""
+        for exchange, routing_key, body, headers in messages:
+            self.publish(exchange, routing_key, body, headers)
 
     @abstractmethod
     def receive(self, queue: str, timeout: float = 0.0) -> Message | None: ...

@@ -69,7 +69,7 @@ import pika.exceptions
 from pika.adapters.select_connection import IOLoop
 from pika.channel import Channel
 
-from dfca.transport.base import Message, QueueLimits, Transport, TransportError
+from dfca.transport.base import Message, Outgoing, QueueLimits, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -368,18 +368,39 @@ class RabbitMQTransport(Transport):
     def publish(
         self, exchange: str, routing_key: str, body: bytes, headers: Mapping[str, str] | None = None
     ) -> None:
+        self.publish_many([(exchange, routing_key, body, headers)])
+
+    def publish_many(self, messages: Sequence[Outgoing]) -> None:
+        """All of `messages` handed to the I/O thread at once, then every confirm awaited: one round trip's wait
+        for the batch instead of one per message; returns once the broker has accepted every one."""
         self._check_open()
+        deadline = time.monotonic() + self.publish_timeout
+        records = [r for exchange, key, body, headers in messages
+                   for r in self._records(exchange, key, body, headers, deadline)]
+        self._submit(lambda: self._enqueue_publishes(records))
+        for record in records:
+            try:
+                record.future.result(timeout=max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                for r in records:
+                    r.future.cancel()
+                raise TransportError(
+                    f"publish to {record.exchange!r} not confirmed within {self.publish_timeout:g} s"
+                ) from None
+
+    def _records(self, exchange: str, routing_key: str, body: bytes, headers: Mapping[str, str] | None,
+                 deadline: float) -> list[_Publish]:
+        """One message's publishes: its body in chunks of at most chunk_bytes, each with its own confirm."""
         user_headers = {str(k): str(v) for k, v in (headers or {}).items()}
         if any(k.startswith(RESERVED_HEADER_PREFIX) for k in user_headers):
             raise TransportError(f"header names starting with {RESERVED_HEADER_PREFIX!r} are reserved")
         self._check_exchange(exchange)
-        deadline = time.monotonic() + self.publish_timeout
         parts = split_body(bytes(body), self.chunk_bytes)
         if len(parts) > MAX_CHUNKS:
             raise TransportError(f"a {len(body)}-byte body needs {len(parts)} parts of {self.chunk_bytes} bytes; "
                                  f"at most {MAX_CHUNKS}")
         chunk_id = uuid.uuid4().hex
-        records = [
+        return [
             _Publish(
                 exchange, routing_key, part,
                 pika.BasicProperties(
@@ -391,16 +412,6 @@ class RabbitMQTransport(Transport):
             )
             for i, part in enumerate(parts)
         ]
-        self._submit(lambda: self._enqueue_publishes(records))
-        for record in records:
-            try:
-                record.future.result(timeout=max(deadline - time.monotonic(), 0.0))
-            except TimeoutError:
-                for r in records:
-                    r.future.cancel()
-                raise TransportError(
-                    f"publish to {exchange!r} not confirmed within {self.publish_timeout:g} s"
-                ) from None
 
     def receive(self, queue: str, timeout: float = 0.0) -> Message | None:
         self._check_open()
