@@ -1,6 +1,7 @@
 """Accuracy and cluster recovery against the bytes a client sends: where each DFCA schedule sits.
 
     python benchmarks/traffic.py [--seeds 5] [--settings 2,6] [--columns ...] [--out runs/traffic] [--render]
+                                 [--import-grid RUNS.jsonl:GRID=COLUMN,...]
 
 Settings are benchmarks/cluster_recovery.py's (by index; default k=4 N=32 ER p=0.2 and k=4 N=240 ER p=0.1),
 with its data, model and training. Columns are schedules:
@@ -19,7 +20,9 @@ Each run is evaluated every 5 training rounds; a point of its curve is (MB a cli
 included, ARI, test accuracy). Runs are appended to OUT/runs.jsonl as they finish (a rerun skips what is there;
 several processes can share OUT and split the work). Then OUT/traffic.md holds the table (per setting and
 column: seeds with ARI >= 0.95, mean accuracy, MB per client over the run and its ratio to the paper rule's) and
-OUT/traffic.png the curves, mean over seeds.
+OUT/traffic.png the curves, mean over seeds. `--import-grid` adds runs of benchmarks/cluster_recovery.py (final
+accuracy and bytes, no curves) where this benchmark's own are missing: a column of the grid under this
+benchmark's name for it.
 """
 
 from __future__ import annotations
@@ -69,6 +72,16 @@ def run_one(setting: dict[str, Any], column: str, seed: int, rounds: int, max_tr
                       if h["round"] >= skip]}
 
 
+def imported(path: Path, mapping: str) -> list[dict[str, Any]]:
+    """Runs of benchmarks/cluster_recovery.py (its runs.jsonl) as this benchmark's, without curves: `mapping` is
+    "grid column=column,..." (what a grid column was depends on the commit it ran at)."""
+    names = dict(pair.split("=", 1) for pair in mapping.split(","))
+    return [{"setting": r["setting"], "column": names[r["column"]], "seed": r["seed"], "rounds": r["rounds"],
+             "ari": r["ari"], "acc": r["acc"], "bytes": r["bytes_per_round"] * (r["rounds"] + r["seeding_rounds"]),
+             "curve": None, "from": str(path)}
+            for r in load_runs(path) if r["column"] in names]
+
+
 def cell(runs: list[dict[str, Any]], paper_bytes: float | None) -> str:
     if not runs:
         return "–"
@@ -90,22 +103,28 @@ def render(runs: list[dict[str, Any]], labels: list[str], columns: list[str], ou
     (out / "traffic.md").write_text(table)
     fig, axes = plt.subplots(2, len(labels), figsize=(6 * len(labels), 7), squeeze=False)
     for c, label in enumerate(labels):
-        for name in columns:
-            curves = [r["curve"] for r in runs if r["setting"] == label and r["column"] == name and r["curve"]]
-            if not curves:
-                continue
-            length = min(len(cv) for cv in curves)
+        for k, name in enumerate(columns):
+            color = plt.get_cmap("tab10")(k % 10)
+            chosen = [r for r in runs if r["setting"] == label and r["column"] == name]
+            curves = [r["curve"] for r in chosen if r["curve"]]
+            length = min((len(cv) for cv in curves), default=0)
             mb = [statistics.mean(cv[i][1] for cv in curves) / 1e6 for i in range(length)]
-            for row, index, what in ((0, 3, "test accuracy"), (1, 2, "ARI")):
-                axes[row][c].plot(mb, [statistics.mean(cv[i][index] for cv in curves) for i in range(length)],
-                                  marker="o", markersize=3, label=name)
+            for row, index, key, what in ((0, 3, "acc", "test accuracy"), (1, 2, "ari", "ARI")):
+                if curves:  # the run as it goes: evaluated every EVAL_EVERY rounds
+                    axes[row][c].plot(mb, [statistics.mean(cv[i][index] for cv in curves) for i in range(length)],
+                                      marker="o", markersize=2, linewidth=1, color=color)
+                if chosen:  # where it ends: mean over seeds (every run, imported ones too)
+                    axes[row][c].plot([statistics.mean(r["bytes"] for r in chosen) / 1e6],
+                                      [statistics.mean(r[key] for r in chosen)], marker="*", markersize=12,
+                                      linestyle="", color=color, label=f"{name} ({len(chosen)} seeds)")
                 axes[row][c].set_ylabel(what)
         for row in range(2):
             axes[row][c].set_xscale("log")
             axes[row][c].set_xlabel("MB sent per client (cumulative, log scale)")
             axes[row][c].grid(alpha=0.3)
         axes[0][c].set_title(label)
-    axes[0][0].legend(fontsize=8)
+    for c in range(len(labels)):
+        axes[0][c].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(out / "traffic.png", dpi=110)
     plt.close(fig)
@@ -121,6 +140,9 @@ def main() -> None:
     p.add_argument("--max-train", type=int, default=200, help="cap on training images per client")
     p.add_argument("--out", type=Path, default=Path("runs/traffic"))
     p.add_argument("--render", action="store_true", help="only redraw from OUT/runs.jsonl")
+    p.add_argument("--import-grid", action="append", default=[], metavar="RUNS.jsonl:GRID=COLUMN,...",
+                   help="add cluster_recovery.py runs to the table (no curves), e.g. "
+                   "docs/results/traffic_columns_runs.jsonl:'robust GI=full'")
     args = p.parse_args()
     columns = [c.strip() for c in args.columns.split(",")]
     if unknown := [c for c in columns if c not in COLUMNS]:
@@ -138,7 +160,10 @@ def main() -> None:
                     f.write(json.dumps(run) + "\n")
                 print(f"{setting['label']:24s} {name:13s} seed {seed}: ARI {run['ari']:.3f} acc {run['acc']:.4f} "
                       f"{run['bytes'] / 1e6:,.0f} MB ({run['seconds']:.0f}s)", flush=True)
-    print(render(load_runs(log), [s["label"] for s in settings], columns, args.out))
+    extra = [run for spec in args.import_grid for run in imported(Path(spec.split(":", 1)[0]), spec.split(":", 1)[1])]
+    ours = {(r["setting"], r["column"], r["seed"]) for r in load_runs(log)}
+    runs = load_runs(log) + [r for r in extra if (r["setting"], r["column"], r["seed"]) not in ours]
+    print(render(runs, [s["label"] for s in settings], columns, args.out))
 
 
 if __name__ == "__main__":
