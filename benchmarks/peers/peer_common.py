@@ -11,11 +11,13 @@ The workload file (written by benchmarks/peers.py) is one .npz:
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib.metadata
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,3 +125,16 @@ class ResultLine:
     def emit(self, result: dict[str, Any]) -> None:
         sys.stdout.flush()
         os.write(self.fd, (json.dumps(result) + "\n").encode())
+
+
+def start(description: str | None,
+          more: Callable[[argparse.ArgumentParser], None] | None = None) -> tuple[ResultLine, Workload, Any]:
+    """A run script's start: `--data` (and what `more` adds) parsed, stdout kept for the result line, the
+    workload loaded. Returns (result line, workload, parsed arguments)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--data", required=True)
+    if more is not None:
+        more(parser)
+    args = parser.parse_args()
+    out = ResultLine()
+    return out, load(args.data), args

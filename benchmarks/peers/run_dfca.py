@@ -10,14 +10,13 @@ only after the last round (eval_every = rounds), outside the timed rounds. Print
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from peer_common import ResultLine, Workload, load, peak_rss_mib, setup_torch, versions
+from peer_common import Workload, peak_rss_mib, setup_torch, start, versions
 
 from dfca.config import ExperimentConfig
 from dfca.data import FederatedData
@@ -65,12 +64,8 @@ def timed_rounds() -> Iterator[list[float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--algorithm", choices=["ifca", "dfedavgm"], required=True)
-    args = parser.parse_args()
-    out = ResultLine()
-    w = load(args.data)
+    out, w, args = start(__doc__, lambda p: p.add_argument("--algorithm", choices=["ifca", "dfedavgm"],
+                                                          required=True))
     setup_torch(int(w.meta["threads"]))
     cfg, data = config(w, args.algorithm), federated_data(w)
     with timed_rounds() as seconds:

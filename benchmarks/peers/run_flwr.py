@@ -15,7 +15,6 @@ Prints one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
@@ -27,7 +26,6 @@ from flwr.server import ServerApp, ServerAppComponents, ServerConfig
 from flwr.server.strategy import FedAvg
 from flwr.simulation import run_simulation
 from peer_common import (
-    ResultLine,
     accuracy,
     client_seed,
     load,
@@ -35,6 +33,7 @@ from peer_common import (
     mlp,
     peak_rss_mib,
     setup_torch,
+    start,
     versions,
 )
 
@@ -90,11 +89,7 @@ def server_app(path: str, marks: list[float], final: dict[str, float]) -> Server
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--data", required=True)
-    args = parser.parse_args()
-    out = ResultLine()
-    w = load(args.data)
+    out, w, args = start(__doc__)
     threads = int(w.meta["threads"])
     setup_torch(threads)
     marks: list[float] = []

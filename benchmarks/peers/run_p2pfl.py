@@ -23,7 +23,6 @@ JSON line.
 
 from __future__ import annotations
 
-import argparse
 import importlib.machinery
 import importlib.util
 import statistics
@@ -38,7 +37,7 @@ import lightning.pytorch.loops.evaluation_loop as evaluation_loop
 import lightning.pytorch.trainer.connectors.callback_connector as callback_connector
 import torch
 from datasets import Dataset, DatasetDict
-from peer_common import ResultLine, Workload, accuracy, load, mlp, peak_rss_mib, setup_torch, versions
+from peer_common import Workload, accuracy, mlp, peak_rss_mib, setup_torch, start, versions
 from torch import nn
 
 
@@ -153,11 +152,7 @@ def start_nodes(w: Workload) -> list[Node]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--data", required=True)
-    args = parser.parse_args()
-    out = ResultLine()
-    w = load(args.data)
+    out, w, _ = start(__doc__)
     set_standalone_settings()
     logger.set_level("WARNING")
     # every node's model in every aggregation, however long it takes (the standalone settings give up after 60 s

@@ -16,12 +16,11 @@ line.
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
 import torch
-from peer_common import ResultLine, Workload, accuracy, load, mlp, peak_rss_mib, setup_torch, versions
+from peer_common import Workload, accuracy, mlp, peak_rss_mib, setup_torch, start, versions
 from pfl.aggregate.simulate import SimulatedBackend
 from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
 from pfl.callback.base import TrainingProcessCallback
@@ -81,11 +80,7 @@ def federated_data(w: Workload) -> FederatedDataset:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--data", required=True)
-    args = parser.parse_args()
-    out = ResultLine()
-    w = load(args.data)
+    out, w, _ = start(__doc__)
     m = w.meta
     setup_torch(int(m["threads"]))
     net = Net(mlp(int(m["seed"]), int(m["hidden"])))
