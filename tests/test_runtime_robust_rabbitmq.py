@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -34,16 +35,22 @@ def stack(rabbitmq_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield running
 
 
-def test_robust_dfca_recovers_the_clusters_and_matches_the_simulator(stack: Stack) -> None:
-    cfg = rotated_mnist(name="robust", rounds=5, runtime={"round_timeout": 30.0, "payload_dtype": "float32"},
-                        dfca={"variant": "robust", "traffic": "full", "warmup_rounds": 2, "warmup_gossip_steps": 3,
-                              "gossip_steps": 2})
-    api = Api.of(stack)
+def recovered_run(api: Api, cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Run `cfg` to its end: (experiment, summary), once it completed with all 24 clients and ARI 1."""
     experiment = api.create_and_start(cfg)
     final = api.wait_finished(experiment)
     summary = api.summary(experiment)
     assert final["status"] == "completed" and summary["clients"] == 24, final
     assert summary["cluster_ari"] == pytest.approx(1.0), summary
+    return experiment, summary
+
+
+def test_robust_dfca_recovers_the_clusters_and_matches_the_simulator(stack: Stack) -> None:
+    cfg = rotated_mnist(name="robust", rounds=5, runtime={"round_timeout": 30.0, "payload_dtype": "float32"},
+                        dfca={"variant": "robust", "traffic": "full", "warmup_rounds": 2, "warmup_gossip_steps": 3,
+                              "gossip_steps": 2})
+    api = Api.of(stack)
+    experiment, summary = recovered_run(api, cfg)
     sim = simulate(ExperimentConfig.model_validate(cfg))
     rows: dict[int, dict[str, torch.Tensor]] = {}
     for ordinal in range(WORKERS):
@@ -73,11 +80,7 @@ def test_the_lean_default_recovers_the_clusters_and_counts_the_simulators_bytes(
     validated = ExperimentConfig.model_validate(cfg)
     assert validated.runtime.payload_dtype == "int8" and validated.dfca.traffic == "lean"
     api = Api.of(stack)
-    experiment = api.create_and_start(cfg)
-    final = api.wait_finished(experiment)
-    summary = api.summary(experiment)
-    assert final["status"] == "completed" and summary["clients"] == 24, final
-    assert summary["cluster_ari"] == pytest.approx(1.0), summary
+    experiment, summary = recovered_run(api, cfg)
     assert summary["messages"]["timeouts"] == 0 and not summary["messages"]["rejected"], summary["messages"]
     sim = simulate(validated).summary
     assert summary["test_accuracy"] == pytest.approx(sim["test_accuracy"], abs=0.03)
