@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dfca.config import ExperimentConfig
+from dfca.config import ExperimentConfig, RuntimeConfig
 from dfca.schedule import RoundSchedule
 from dfca.simulator import simulate
 
@@ -50,6 +50,9 @@ def test_the_default_recovers_the_clusters_at_most_at_twice_the_paper_rules_byte
 
     default = ExperimentConfig.model_validate({"dfca": {}})
     assert (default.dfca.variant, default.dfca.traffic, default.runtime.payload_dtype) == ("robust", "lean", "int8")
+    # the same from a RuntimeConfig object as from a dict; a payload the config names wins
+    assert ExperimentConfig(runtime=RuntimeConfig(round_timeout=5.0)).runtime.payload_dtype == "int8"
+    assert ExperimentConfig(runtime=RuntimeConfig(payload_dtype="float32")).runtime.payload_dtype == "float32"
     ari, sent = run("robust")
     _, paper_sent = run("paper")
     assert ari >= 0.95

@@ -375,10 +375,10 @@ class ExperimentConfig(Strict):
             return data
         dfca, runtime = data.get("dfca", {}), data.get("runtime", {})
         variant = dfca.get("variant", "robust") if isinstance(dfca, dict) else dfca.variant
-        named = "payload_dtype" in runtime if isinstance(runtime, dict) else "payload_dtype" in runtime.model_fields_set
-        if variant != "robust" or traffic_of(dfca) != "lean" or named or not isinstance(runtime, dict):
+        given = runtime if isinstance(runtime, dict) else runtime.model_dump(exclude_unset=True)
+        if variant != "robust" or traffic_of(dfca) != "lean" or "payload_dtype" in given:
             return data
-        return {**data, "runtime": {**runtime, "payload_dtype": "int8"}}
+        return {**data, "runtime": {**given, "payload_dtype": "int8"}}
 
     @model_validator(mode="before")
     @classmethod
