@@ -11,11 +11,12 @@ import math
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dfca.algorithms.dfca
-from dfca.algorithms.base import RunDiverged
+from dfca.algorithms.base import RunDiverged, all_finite
 from dfca.config import MAX_SEED, ConfigError, parse_config
 from dfca.graph import neighbours
 from dfca.run_size import RunTooLarge
@@ -130,3 +131,10 @@ def test_a_diverged_run_fails_at_once_on_both_drivers(monkeypatch: pytest.Monkey
     broker = InMemoryBroker()
     with pytest.raises(RunDiverged, match="round 0"):
         run_lockstep(cfg, ctx.data, neighbours(ctx.graph), lambda: InMemoryTransport(broker), 2)
+
+
+def test_the_finiteness_check_is_exact_when_the_sum_overflows_or_infinities_cancel() -> None:
+    assert all_finite(torch.tensor([3e38, 3e38]))  # finite values whose float32 sum is inf
+    assert not all_finite(torch.tensor([1.0, math.inf]))
+    assert not all_finite(torch.tensor([math.inf, -math.inf]))  # the sum is NaN
+    assert not all_finite(torch.tensor([0.0, math.nan]))

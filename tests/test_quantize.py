@@ -25,3 +25,10 @@ def test_a_row_of_zeros_stays_zero_and_a_second_trip_changes_nothing() -> None:
     assert torch.equal(once[2], torch.zeros(9))
     assert torch.equal(round_trip(once), once)
     assert round_trip(x.double()).dtype == torch.float64
+
+
+def test_the_one_copy_round_trip_is_decoding_the_codes_value_for_value() -> None:
+    x = torch.randn(6, 4, 33, generator=torch.Generator().manual_seed(2)) * 5
+    x[3, 1] = 0.0
+    assert torch.equal(round_trip(x), dequantize(*quantize(x)))
+    assert torch.equal(round_trip(torch.tensor(2.5)), dequantize(*quantize(torch.tensor(2.5))))

@@ -184,6 +184,11 @@ class Algorithm(ABC):
     @abstractmethod
     def load_state(self, tensors: Mapping[str, Tensor]) -> None: ...
 
+    def model_copies(self) -> Mapping[str, Tensor]:
+        """The model copies (`state()`'s `params.*`, by name), which must stay finite (check_finite). An algorithm
+        whose state also holds what is costly to build (DFCA's seed candidates) returns them directly."""
+        return params_in(self.state())
+
     def evaluate(self) -> Evaluation:
         raise NotImplementedError(f"{type(self).__name__} has no clients to evaluate")
 
@@ -254,11 +259,18 @@ def check_finite(algorithm: Algorithm, t: int, tensors: Mapping[str, Tensor] | N
     diverged run fails at once with the reason instead of sending NaN models, which receivers reject as invalid,
     until every round times out."""
     if tensors is None:
-        tensors = {n.removeprefix("params."): v for n, v in algorithm.state().items() if n.startswith("params.")}
-    bad = sorted(n for n, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+        tensors = algorithm.model_copies()
+    bad = sorted(n for n, v in tensors.items() if v.is_floating_point() and not all_finite(v))
     if bad:
         raise RunDiverged(f"round {t}: the models' {', '.join(bad[:4])} hold NaN or infinite values: training "
                           f"diverged; lower train.lr (now {algorithm.ctx.cfg.train.lr:g})")
+
+
+def all_finite(v: Tensor) -> bool:
+    """Whether v holds no NaN or infinite value. A NaN or an infinity makes the sum NaN or infinite, so a finite sum
+    settles it in one pass without a [numel] mask; only a sum that overflowed from finite values is checked
+    value by value."""
+    return bool(torch.isfinite(v.sum())) or bool(torch.isfinite(v).all())
 
 
 def report_of(ev: Evaluation, clients: list[int], true_cluster: Tensor) -> dict[str, list[Any]]:

@@ -239,6 +239,9 @@ class DFCA(Algorithm):
     def final_model_sums(self) -> dict[str, tuple[Params, int]]:
         return cluster_sums(self.params, assign_clusters(self.losses), self.k)
 
+    def model_copies(self) -> Params:
+        return self.params
+
     def state(self) -> dict[str, Tensor]:
         extra: dict[str, Tensor] = {"losses": self.losses}
         if self.seeds is not None:  # mid-seeding: the local models and the candidates

@@ -107,13 +107,18 @@ class StepConsensus:
         self.den = trained.clone()  # [M, k]
         self.screen = screen
         self.dropped = 0  # informative (arrival, cluster) pairs the screen dropped, over the round
-        self._clear()
-
-    def _clear(self) -> None:
         self.num_sum = {n: torch.zeros_like(v) for n, v in self.num.items()}
         self.den_sum = torch.zeros_like(self.den)
         self.degree = torch.zeros(self.den.shape[0], device=self.den.device)
         self.arrivals: list[tuple[Tensor, dict[str, Tensor], Tensor]] = []
+
+    def _clear(self) -> None:
+        """Empty the step's sums, in place (the buffers are as large as the models: kept, not reallocated)."""
+        for v in self.num_sum.values():
+            v.zero_()
+        self.den_sum.zero_()
+        self.degree.zero_()
+        self.arrivals = []
 
     def outgoing(self) -> dict[str, Tensor]:
         return {**{f"num.{n}": v for n, v in self.num.items()}, "den": self.den}
@@ -124,6 +129,13 @@ class StepConsensus:
             self.arrivals.append((delivered, {n: tensors[f"num.{n}"] for n in self.num}, tensors["den"]))
             return int(delivered.sum())
         rows = delivered.any(1).nonzero().squeeze(1)  # only they change: one message touches one row
+        if rows.numel() == delivered.shape[0]:  # every row got something (the simulator): sum in place
+            a = delivered.float()
+            for n, v in self.num_sum.items():
+                v.view(a.shape[0], -1).addmm_(a, tensors[f"num.{n}"].reshape(a.shape[1], -1).to(v.dtype))
+            self.den_sum.addmm_(a, tensors["den"].to(self.den.dtype))
+            self.degree.add_(a.sum(1))
+            return int(delivered.sum())
         a = delivered[rows].float()
         for n, v in self.num_sum.items():
             src = tensors[f"num.{n}"].reshape(a.shape[1], -1).to(v.dtype)
@@ -143,9 +155,10 @@ class StepConsensus:
                 self.dropped += dropped
             self._clear()
             return
-        scale = self.degree + 1
-        self.num = {n: (v + self.num_sum[n]) / trailing(scale, v) for n, v in self.num.items()}
-        self.den = (self.den + self.den_sum) / trailing(scale, self.den)
+        scale = self.degree + 1  # in place: what outgoing() handed out was read by the step's receivers already
+        for n, v in self.num.items():
+            v.add_(self.num_sum[n]).div_(trailing(scale, v))
+        self.den.add_(self.den_sum).div_(trailing(scale, self.den))
         self._clear()
 
     def finish(self, params: Params) -> None:

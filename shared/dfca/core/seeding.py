@@ -109,23 +109,33 @@ class SeedCandidates:
         self.origin = clients.clone()
         self.slot = 0
         self.arrived: dict[int, Params] = {}  # origin -> model, for origins not hosted here
+        self._models: Params | None = None  # models(), until the candidates change
 
     def open(self, slot: int, scores: Tensor) -> None:
         """A slot's first round: every client's candidate is itself."""
         self.slot, self.score, self.origin, self.arrived = slot, scores.to(self.score.device), self.clients.clone(), {}
+        self._models = None
 
     def restore(self, score: Tensor, origin: Tensor, slot: int, candidates: Params) -> None:
         """From a checkpoint: the candidates and, for origins not hosted here, their models [M, ...]."""
         self.slot, self.score, self.origin = slot, score.to(self.score.device), origin.to(self.origin.device)
         self.arrived = {int(o): {n: v[r].to(self.origin.device) for n, v in candidates.items()}
                         for r, o in enumerate(self.origin.tolist()) if int(o) not in self.row}
+        self._models = None
 
     def model(self, origin: int) -> Params:
         r = self.row.get(origin)
         return {n: v[r] for n, v in self.local.items()} if r is not None else self.arrived[origin]
 
     def models(self) -> Params:
-        """[M, ...]: the model of every hosted client's candidate (as received where it is another client's)."""
+        """[M, ...]: the model of every hosted client's candidate (as received where it is another client's); built
+        once per change of the candidates (a round sends them, checkpoints them and may install them). Callers
+        must not change the tensors in place."""
+        if self._models is None:
+            self._models = self._build_models()
+        return self._models
+
+    def _build_models(self) -> Params:
         if all(o in self.row for o in self.origin.tolist()):
             rows = torch.tensor([self.row[o] for o in self.origin.tolist()], device=self.origin.device)
             out = {n: v.index_select(0, rows) for n, v in self.local.items()}
@@ -166,6 +176,7 @@ class SeedCandidates:
                     continue
             break
         self.score[rows], self.origin[rows] = score[pick], origin[pick]
+        self._models = None
         for s in pick.tolist():
             o = int(origin[s])
             if o not in self.row and o not in self.arrived:
