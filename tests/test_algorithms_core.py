@@ -146,10 +146,11 @@ def test_mixture_error_ignores_label_switching() -> None:
     assert mixture_error(torch.full((3, 2), 0.5), truth) == pytest.approx((0.2 + 0.4 + 0.0) / 3)
 
 
-def test_masked_sgd_trains_on_the_masked_samples_only() -> None:
+@pytest.mark.parametrize("form", ["weights", "samples"])
+def test_masked_sgd_trains_on_the_masked_samples_only(form: str) -> None:
     """Training with a mask equals training on the kept samples alone, in the same order; an all-true
-    mask changes nothing; a client with an empty mask is untouched."""
-    model = MLP(16, 8, 3)
+    mask changes nothing; a client with an empty mask is untouched. In both forms of the MLP's step."""
+    model = MLP(16, 8, 3, form)
     g = torch.Generator().manual_seed(0)
     init = model.init(3, g)
     x, y = torch.randn(3, 12, 16, generator=g), torch.randint(0, 3, (3, 12), generator=g)

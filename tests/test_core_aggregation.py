@@ -128,9 +128,10 @@ def test_gather_scatter_roundtrip() -> None:
     torch.testing.assert_close(params["w"][3, 2], chosen["w"][3])
 
 
-def test_fused_mlp_sgd_matches_autograd() -> None:
-    """The hand-written backward with the in-place SGD step equals torch autograd + SGD."""
-    model = MLP(6, 7, 3)
+@pytest.mark.parametrize("form", ["weights", "samples"])
+def test_fused_mlp_sgd_matches_autograd(form: str) -> None:
+    """The hand-written backward with the in-place SGD step equals torch autograd + SGD, in both forms."""
+    model = MLP(6, 7, 3, form)
     p = model.init(2, torch.Generator().manual_seed(0))
     ref = {name: t.clone().requires_grad_(True) for name, t in p.items()}
     g = torch.Generator().manual_seed(2)
