@@ -20,8 +20,8 @@ from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round
 from dfca.runtime.message_driver import MessageDriver
 from dfca.schedule import RoundSchedule
 from dfca.simulator import prepare, simulate
-from dfca.transport import InMemoryBroker, InMemoryTransport
-from dfca.wire import Envelope, Spec, TensorSpec, encode_message
+from dfca.transport import InMemoryBroker, InMemoryTransport, Message
+from dfca.wire import Envelope, PayloadRejected, Spec, TensorSpec, encode_message
 
 W0 = "worker-0"  # the host word of every client when one worker hosts them all
 
@@ -310,13 +310,58 @@ def peak_decoded_models(degree: int, aggregation: str, monkeypatch: pytest.Monke
     return peak, state
 
 
-def test_a_client_with_50_neighbours_holds_no_more_model_copies_than_one_with_2(
+def test_a_client_with_200_neighbours_holds_no_more_model_copies_than_one_with_16(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Sequential aggregation folds each arriving model at once (eq. 8): one decoded model at a time, and the same
-    k models of state, for 2 neighbours or 50. Batch aggregation (eq. 7) holds the round's models: 50."""
+    """Sequential aggregation folds arriving models as they come (eq. 8), at most FOLD_BATCH decoded at a time,
+    and the same k models of state, for 16 neighbours, 50 or 200. Batch aggregation (eq. 7) holds the round's
+    models: 50."""
+    assert message_driver.FOLD_BATCH == 16
     few, few_state = peak_decoded_models(2, "sequential", monkeypatch)
+    assert few == 2
+    sixteen, sixteen_state = peak_decoded_models(16, "sequential", monkeypatch)
     many, many_state = peak_decoded_models(50, "sequential", monkeypatch)
-    assert few == many == 1 and few_state == many_state
+    most, most_state = peak_decoded_models(200, "sequential", monkeypatch)
+    assert sixteen == many == most == 16 and few_state == sixteen_state == many_state == most_state
     held, _ = peak_decoded_models(50, "batch", monkeypatch)
     assert held == 50
+
+
+def test_a_message_fanned_out_to_several_hosted_clients_is_decoded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A star whose centre's neighbours all live on one worker: the centre's model reaches each of their queues, and
+    the worker decodes it once for all of them (and folds it into each); a copy whose body differs from the decoded
+    one (same key and headers) is decoded on its own and rejected."""
+    degree = 6
+    cfg = small_config(rounds=1, dfca={"variant": "paper"}, train={"local_epochs": 0},
+                       data={"clients": degree + 1, "train_per_client": 5, "test_per_client": 2})
+    ctx = prepare(cfg)
+    graph = {0: list(range(1, degree + 1)), **{c: [0] for c in range(1, degree + 1)}}
+    broker = InMemoryBroker()
+    centre = client_driver(cfg, "star", [0], ctx.data.subset([0]), graph, InMemoryTransport(broker))
+    others = list(range(1, degree + 1))
+    rest = client_driver(cfg, "star", others, ctx.data.subset(others), graph, InMemoryTransport(broker))
+    senders: Counter[int] = Counter()
+    decode = message_driver.decode_message
+
+    def counting(*args: Any, **kwargs: Any) -> Envelope:
+        envelope = decode(*args, **kwargs)
+        senders[envelope.sender] += 1
+        return envelope
+
+    monkeypatch.setattr(message_driver, "decode_message", counting)
+    lockstep_round(LockstepRun([rest, centre], None), 0)
+    assert senders[0] == 1 and rest.stats.applied == degree  # one decode, folded into all six clients
+    assert senders[1] == 1 and centre.stats.applied == degree
+
+    # the same key and headers with another body: not taken from the decoded copy
+    body, headers = encode_message(Envelope("star", 0, 0, "models", 0, 0, {n: torch.zeros(s) for n, s in
+                                                                            ctx.model.shapes().items()}),
+                                   rest.algorithm.payload(rest.exchanges[0]))
+    memo: dict[tuple[str, str], tuple[bytes, Envelope]] = {}
+    key = topics.model_key("star", W0, 0, 0)
+    first = rest._decode(Message(topics.MODELS_EXCHANGE, key, body, headers), memo)
+    tampered = bytearray(body)
+    tampered[-1] ^= 1
+    with pytest.raises(PayloadRejected, match="sha256"):
+        rest._decode(Message(topics.MODELS_EXCHANGE, key, bytes(tampered), headers), memo)
+    assert rest._decode(Message(topics.MODELS_EXCHANGE, key, body, headers), memo) is first

@@ -172,6 +172,27 @@ def test_malformed_chunks_are_handed_on_marked_unreadable_and_the_consumer_goes_
     assert dead_letters == sorted(f"pill {i}".encode() for i in range(len(MALFORMED_CHUNKS)))
 
 
+def test_a_refused_pipelined_publish_surfaces_at_await_confirms(connect: Connect, names: Names,
+                                                                  rabbitmq_url: str) -> None:
+    """publish_pipelined does not wait; the broker's nack of one of its messages (a full queue that refuses
+    publishes) is raised by the next await_confirms, and the one after it has nothing left to raise."""
+    transport = connect()
+    exchange, queue = names.exchange("topic"), names.queue("full")
+    transport.declare_exchange(exchange, "topic")
+    connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
+    try:
+        channel = connection.channel()
+        channel.queue_declare(queue, arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+        channel.queue_bind(queue, exchange, "k")
+    finally:
+        connection.close()
+    transport.publish_pipelined([(exchange, "k", b"first", {}), (exchange, "k", b"second", {})])
+    with pytest.raises(TransportError, match="rejected"):
+        transport.await_confirms()
+    transport.await_confirms()
+    assert [body for _, body in raw_messages(rabbitmq_url, queue)] == [b"first"]
+
+
 def test_a_body_of_too_many_parts_is_refused(connect: Connect) -> None:
     with pytest.raises(TransportError, match="at most 1024"):
         connect(chunk_bytes=16).publish(topics.MODELS_EXCHANGE, "k", b"x" * (16 * 1024 + 1))

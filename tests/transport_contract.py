@@ -301,7 +301,20 @@ class TransportContract:
             for m in got:
                 transport.ack(m)
 
-    def test_receive_any_wakes_on_the_first_arrival_on_any_queue(self, transport: Transport, names: Names) -> None:
+    def test_pipelined_publishes_arrive_in_order_and_are_all_confirmed(self, transport: Transport,
+                                                                         names: Names) -> None:
+        exchange, queues = topic_setup(transport, names, {"a": ["a"], "b": ["b"]})
+        for lo in range(0, 40, 10):  # several hand-overs before one wait for their confirms
+            transport.publish_pipelined([(exchange, "a" if i % 2 else "b", str(i).encode(), {"i": str(i)})
+                                         for i in range(lo, lo + 10)])
+        transport.await_confirms()
+        transport.await_confirms()  # nothing left: returns at once
+        for label, first in (("b", 0), ("a", 1)):
+            got = [must_receive(transport, queues[label]) for _ in range(20)]
+            assert [int(m.body) for m in got] == list(range(first, 40, 2))
+            for m in got:
+                transport.ack(m)
+
         exchange, queues = topic_setup(transport, names, {"a": ["a"], "b": ["b"], "c": ["c"]})
         order = [queues["a"], queues["b"], queues["c"]]
         assert transport.receive_any(order, QUIET_S) is None

@@ -91,10 +91,20 @@ class HostTransport(Transport):
         self.publish_many([(exchange, routing_key, body, headers)])
 
     def publish_many(self, messages: Sequence[Outgoing]) -> None:
+        self.inner.publish_many(self._stamped(messages))
+
+    def publish_pipelined(self, messages: Sequence[Outgoing]) -> None:
+        self.inner.publish_pipelined(self._stamped(messages))
+
+    def await_confirms(self) -> None:
+        self.inner.await_confirms()
+
+    def _stamped(self, messages: Sequence[Outgoing]) -> list[Outgoing]:
+        """The messages with their send time (for the delivery lag), counted as published."""
         now = f"{time.time():.6f}"
-        self.inner.publish_many([(exchange, key, body, {**(headers or {}), SENT_AT_HEADER: now})
-                                 for exchange, key, body, headers in messages])
         self.bytes_published += sum(len(body) for _, _, body, _ in messages)
+        return [(exchange, key, body, {**(headers or {}), SENT_AT_HEADER: now})
+                for exchange, key, body, headers in messages]
 
     def receive(self, queue: str, timeout: float = 0.0) -> Message | None:
         if self._interrupted.is_set():

@@ -18,10 +18,12 @@ It runs the simulator's algorithm objects (dfca.algorithms) unchanged and owns e
 - dedupe: a message is used at most once per (receiver, sender, round, exchange, step, part);
 - order: a message of a later exchange is held (unacknowledged, each identity once) until its exchange opens;
   one more than MAX_ROUNDS_AHEAD rounds ahead of the receiver is rejected and counted (`future_round`),
-  so forged rounds cannot pile up in memory. One of the open
-  exchange is folded at once (`aggregation: sequential`: DFCA's running average, eq. 8, so a client holds
-  O(k |theta|) however many neighbours it has) or, in an exchange whose messages are averaged, held and
-  folded in sender order when the exchange closes (`batch`, eq. 7). One of an earlier exchange is stale:
+  so forged rounds cannot pile up in memory. Messages of the open exchange are folded as they arrive
+  (`aggregation: sequential`: DFCA's running average, eq. 8): what has arrived at the hosted queues is taken
+  together, at most FOLD_BATCH distinct messages, each decoded once however many hosted clients it was
+  delivered to, and folded as one inbox, so a worker holds O(k |theta|) however many neighbours its clients
+  have; in an exchange whose messages are averaged, they are held and folded in sender order when the
+  exchange closes (`batch`, eq. 7). One of an earlier exchange is stale:
   folded into the open exchange one round later if that exchange has its name and takes stale messages
   and `runtime.staleness` is merge, else dropped;
 - liveness (runtime.liveness): a client that missed its messages in consecutive rounds is presumed dead and
@@ -69,9 +71,13 @@ KEEP_GOING_EVERY_S = 0.25  # how often a waiting driver asks whether to go on
 # Malformed messages from one proven sender in one round after which it is cut off. An honest client sends a few
 # valid messages per round and never a malformed one; a flood sends thousands.
 BLOCK_AFTER_INVALID = 20
+# Distinct messages taken from the hosted queues and folded together (one inbox, one decode per message however many
+# hosted clients it reached): bounds what a worker holds decoded at once, whatever its clients' degrees.
+FOLD_BATCH = 16
 Identity = tuple[int, int, int, str, int, int]  # receiver, sender, round, exchange, step, part
 # Where a round's time goes (DriverStats.seconds, cumulative): train = the algorithm's begin_round (assignment and
-# local training); publish = send, encode and publish (publisher confirms included); receive = checking, decoding
+# local training); publish = send, encode and publish, and at the round's end awaiting the publisher confirms that
+# have not come yet (an exchange's messages are handed over without waiting for them); receive = checking, decoding
 # and folding what arrived; wait = the rest of collecting (nothing to do: waiting on neighbours or the broker);
 # mix = end_exchange and end_round (a gossip step's mixing, the losses for the next assignment).
 PHASES = ("train", "publish", "receive", "wait", "mix")
@@ -126,6 +132,7 @@ class MessageDriver:
         self.held: list[Delivery] = []  # messages of later exchanges
         self.held_ids: set[Identity] = set()
         self.batch: list[Delivery] = []  # the open exchange's messages, under `aggregation: batch`
+        self.ready: list[Delivery] = []  # routed to the open exchange, to be folded together (_fold_ready)
         self.seen: set[Identity] = set()
         self.waiting: list[dict[int, int]] = [{} for _ in self.ids]  # per row: sender -> messages still due
         self.missed: set[int] = set()  # senders that missed an exchange of this round
@@ -231,6 +238,7 @@ class MessageDriver:
         with self.timed("receive"):
             for delivery in held:
                 self._route(delivery)
+            self._fold_ready()
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -263,7 +271,7 @@ class MessageDriver:
             if self.side == "clients":  # a client's traffic: the message once per receiver, as the simulator counts
                 receivers = 1 if ex.receiver == "server" else len(self.algorithm.ctx.graph.get(sender, ()))
                 sent += message_bytes(len(body), headers, key) * receivers
-        self.transport.publish_many(batch)  # the rows' messages together: their confirms are awaited as one
+        self.transport.publish_pipelined(batch)  # the rows' messages together; confirmed by the end of the round
         self.stats.published += len(batch)
         self.bytes_sent += sent
 
@@ -272,12 +280,8 @@ class MessageDriver:
         ex = self.exchanges[self.index]
         began, received = time.perf_counter(), self.stats.seconds["receive"]
         while any(self.waiting):
-            got = False
-            for r, queue in enumerate(self.queues):
-                while self.waiting[r] and (message := self.transport.receive(queue, 0.0)) is not None:
-                    self.handle(r, message)
-                    got = True
-            if got or not any(self.waiting):
+            if arrived := self._arrived():
+                self.handle_many(arrived)
                 continue
             now = time.monotonic()
             start = self.first_arrival if ex.needs_arrival else self.opened_at
@@ -289,14 +293,15 @@ class MessageDriver:
             wait = 0.05 if deadline is None else min(0.05, deadline - now)
             if (got := self.transport.receive_any([self.queues[r] for r in rows], wait)) is not None:
                 self.handle(rows[got[0]], got[1])  # woken by the first arrival on any waiting row's queue
+        with self.timed("receive"):
+            self._fold_ready()
         missing = {m for w in self.waiting for m in w}
         if missing:
             self.stats.timeouts += 1
             self.missed |= missing
             log.warning("round %d %s %d: timed out waiting for %s", self.round, ex.name, ex.step, sorted(missing))
         with self.timed("receive"):
-            for delivery in sorted(self.batch, key=lambda d: (d.envelope.sender, d.row)):
-                self._deliver(delivery, stale=False)
+            self._fold(sorted(self.batch, key=lambda d: (d.envelope.sender, d.row)))
         self.batch = []
         self.stats.seconds["wait"] += time.perf_counter() - began - (self.stats.seconds["receive"] - received)
         return not missing
@@ -312,6 +317,8 @@ class MessageDriver:
             self.algorithm.end_exchange(self.exchanges[self.index])
 
     def end_round(self) -> None:
+        with self.timed("publish"):  # the round's messages are on the broker before it counts as done (checkpoint)
+            self.transport.await_confirms()
         with self.timed("mix"):
             self.algorithm.end_round(self.round)
         self.stats.screened = self.algorithm.screened
@@ -322,12 +329,46 @@ class MessageDriver:
         self.seen = {i for i in self.seen if i[2] >= self.round}  # older ones are stale, never applied again
 
     # -- messages -------------------------------------------------------------------------------------------
+    def _arrived(self) -> list[tuple[int, Message]]:
+        """What waits in the queues of the rows still waiting, without blocking: one message of each queue in turn
+        (copies of one message to several hosted rows come together), until FOLD_BATCH distinct messages."""
+        arrived: list[tuple[int, Message]] = []
+        distinct: set[tuple[str, str]] = set()
+        rows = [r for r, w in enumerate(self.waiting) if w]
+        while rows and len(distinct) < FOLD_BATCH:
+            still = []
+            for r in rows:
+                if (message := self.transport.receive(self.queues[r], 0.0)) is not None:
+                    arrived.append((r, message))
+                    distinct.add((message.routing_key, str(message.headers.get("sha256"))))
+                    still.append(r)
+            rows = still
+        return arrived
+
     def handle(self, row: int, message: Message) -> None:
         """Check one message delivered to row `row`'s queue, then fold, hold, drop or reject it."""
-        with self.timed("receive"):
-            self._handle(row, message)
+        self.handle_many([(row, message)])
 
-    def _handle(self, row: int, message: Message) -> None:
+    def handle_many(self, arrived: list[tuple[int, Message]]) -> None:
+        """Check messages delivered to the hosted rows' queues ([(row, message)]), then fold (together), hold, drop
+        or reject each. Copies of one message (the broker's fan-out to several hosted clients) are decoded once."""
+        with self.timed("receive"):
+            decoded: dict[tuple[str, str], tuple[bytes, Envelope]] = {}
+            for row, message in arrived:
+                self._handle(row, message, decoded)
+            self._fold_ready()
+
+    def _decode(self, message: Message, decoded: dict[tuple[str, str], tuple[bytes, Envelope]]) -> Envelope:
+        """decode_message, once for all copies of one message in `decoded`: the same routing key, headers and body
+        decode to the same envelope (the body is compared, not only its stated checksum)."""
+        key = (message.routing_key, json.dumps(message.headers, sort_keys=True, default=str))
+        if (seen := decoded.get(key)) is not None and seen[0] == message.body:
+            return seen[1]
+        envelope = decode_message(message.routing_key, message.body, message.headers, self.experiment, self.spec_of)
+        decoded[key] = (message.body, envelope)
+        return envelope
+
+    def _handle(self, row: int, message: Message, decoded: dict[tuple[str, str], tuple[bytes, Envelope]]) -> None:
         if not self.from_senders_host(message):
             self.stats.rejected["publisher"] += 1
             log.warning("rejected message %s for %s: published by %r, not by its sender's host", message.routing_key,
@@ -335,8 +376,7 @@ class MessageDriver:
             self.transport.reject(message, requeue=False)
             return
         try:
-            envelope = decode_message(message.routing_key, message.body, message.headers, self.experiment,
-                                      self.spec_of)
+            envelope = self._decode(message, decoded)
         except PayloadRejected as err:
             self.stats.rejected[err.reason] += 1
             log.warning("rejected message %s for %s: %s", message.routing_key, self.queues[row], err)
@@ -423,38 +463,67 @@ class MessageDriver:
                     del due[envelope.sender]
             if self.first_arrival is None:
                 self.first_arrival = time.monotonic()
+            self.seen.add(identity)  # a duplicate arriving before the message is folded is a duplicate
             if self.cfg.aggregation == "batch" and ex.averaged:
-                self.seen.add(identity)  # a duplicate arriving before the batch is folded is a duplicate
                 self.batch.append(delivery)
             else:
-                self._deliver(delivery, stale=False)
+                self.ready.append(delivery)
             return
         current = self.exchanges[self.index]
         if (ex.stale_ok and self.cfg.runtime.staleness == "merge" and envelope.round == self.round - 1
                 and current.name == ex.name and current.stale_ok and current.receiver == self.side):
             self.stats.stale_merged += 1
-            self._deliver(delivery, stale=True)
+            self.seen.add(identity)
+            self.ready.append(delivery)
             return
         self.stats.stale_dropped += 1
         self.seen.add(identity)
         self.transport.ack(delivery.message)
 
-    def _deliver(self, delivery: Delivery, stale: bool) -> None:
-        """Hand one message to the algorithm: an inbox of one message, delivered to one row."""
-        envelope, device = delivery.envelope, self.algorithm.ctx.device
-        delivered = torch.zeros(len(self.ids), 1, dtype=torch.bool, device=device)
-        delivered[delivery.row] = True
-        inbox = Inbox(delivered, torch.tensor([envelope.sender], device=device),
-                      torch.tensor([envelope.part], device=device),
-                      {n: t.unsqueeze(0).to(device) for n, t in envelope.tensors.items()}, envelope.round)
+    def _fold_ready(self) -> None:
+        ready, self.ready = self.ready, []
+        self._fold(ready)
+
+    def _fold(self, deliveries: list[Delivery]) -> None:
+        """Hand messages to the algorithm, one inbox per round they were sent in (a stale one is folded with its own
+        round) and per FOLD_BATCH distinct messages, each a column delivered to every hosted row it reached."""
+        by_round: dict[int, list[Delivery]] = {}
+        for delivery in deliveries:
+            by_round.setdefault(delivery.envelope.round, []).append(delivery)
+        for group in by_round.values():
+            columns: dict[int, int] = {}  # id(envelope) -> its column
+            chunk: list[Delivery] = []
+            for delivery in group:
+                if id(delivery.envelope) not in columns and len(columns) == FOLD_BATCH:
+                    self._deliver(chunk, columns)
+                    columns, chunk = {}, []
+                columns.setdefault(id(delivery.envelope), len(columns))
+                chunk.append(delivery)
+            if chunk:
+                self._deliver(chunk, columns)
+
+    def _deliver(self, chunk: list[Delivery], columns: dict[int, int]) -> None:
+        """One inbox: delivered[row, column] for each delivery of `chunk`, the columns' distinct messages."""
+        device = self.algorithm.ctx.device
+        envelopes = list({id(d.envelope): d.envelope for d in chunk}.values())  # in column order
+        shapes = {n: {tuple(e.tensors[n].shape) for e in envelopes} for n in envelopes[0].tensors}
+        if len(envelopes) > 1 and any(len(s) > 1 for s in shapes.values()):  # ragged payloads: one at a time
+            for e in envelopes:
+                self._deliver([d for d in chunk if d.envelope is e], {id(e): 0})
+            return
+        delivered = torch.zeros(len(self.ids), len(envelopes), dtype=torch.bool)
+        delivered[[d.row for d in chunk], [columns[id(d.envelope)] for d in chunk]] = True
+        tensors = {n: torch.stack([e.tensors[n] for e in envelopes]).to(device) for n in envelopes[0].tensors}
+        inbox = Inbox(delivered.to(device), torch.tensor([e.sender for e in envelopes], device=device),
+                      torch.tensor([e.part for e in envelopes], device=device), tensors, envelopes[0].round)
         used = self.algorithm.receive(self.exchanges[self.index], inbox)
-        if self.algorithm.refused != self.counted_refusals:  # the algorithm refused it (a lying seed candidate)
+        if self.algorithm.refused != self.counted_refusals:  # the algorithm refused some (a lying seed candidate)
             self.stats.rejected.update(self.algorithm.refused - self.counted_refusals)
             self.counted_refusals = self.algorithm.refused.copy()
         self.stats.applied += used
-        self.stats.ignored += 1 - min(used, 1)
-        self.seen.add(self.identity(delivery))
-        self.transport.ack(delivery.message)
+        self.stats.ignored += max(len(chunk) - used, 0)
+        for d in chunk:
+            self.transport.ack(d.message)
 
     def identity(self, delivery: Delivery) -> Identity:
         e = delivery.envelope

@@ -84,7 +84,8 @@ class Transport(ABC):
 
     Semantics both implementations keep:
     - `publish` returns once the broker has accepted the message (publisher confirm);
-      a message that matches no binding is dropped, as in AMQP.
+      a message that matches no binding is dropped, as in AMQP. `publish_pipelined` hands messages over
+      without waiting; `await_confirms` then returns once the broker has accepted every one of them.
     - `receive` pops the next message of a queue or returns None after `timeout` seconds; `receive_any`
       does so for the first of several queues to have one, waking as soon as one arrives.
     - A received message stays unacknowledged until `ack`; `reject(requeue=False)` sends it
@@ -122,6 +123,16 @@ class Transport(ABC):
         This one publishes them one by one; RabbitMQ awaits the batch's confirms together."""
         for exchange, routing_key, body, headers in messages:
             self.publish(exchange, routing_key, body, headers)
+
+    def publish_pipelined(self, messages: Sequence[Outgoing]) -> None:
+        """Hand `messages` over in order without awaiting the broker's confirms (`await_confirms` does): the
+        publisher goes on while they travel. This one publishes them at once, leaving nothing to await."""
+        self.publish_many(messages)
+
+    def await_confirms(self) -> None:
+        """Return once every message handed to `publish_pipelined` so far is confirmed; TransportError if the
+        broker refused one or a confirm did not come in time. Here every publish was confirmed when it returned."""
+        return None
 
     @abstractmethod
     def receive(self, queue: str, timeout: float = 0.0) -> Message | None: ...

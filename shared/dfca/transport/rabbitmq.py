@@ -259,6 +259,7 @@ class RabbitMQTransport(Transport):
         self._closed = False
         self._tags = itertools.count(1)
         self._deliveries: dict[int, _Delivery] = {}
+        self._unconfirmed: list[_Publish] = []  # publish_pipelined's records until await_confirms
         self._consumers: dict[str, _Consumer] = {}
         self._known_exchanges: set[str] = {""}
         self._consumer_start_lock = threading.Lock()
@@ -373,14 +374,32 @@ class RabbitMQTransport(Transport):
     def publish_many(self, messages: Sequence[Outgoing]) -> None:
         """All of `messages` handed to the I/O thread at once, then every confirm awaited: one round trip's wait
         for the batch instead of one per message; returns once the broker has accepted every one."""
+        self._confirmed(self._hand_over(messages))
+
+    def publish_pipelined(self, messages: Sequence[Outgoing]) -> None:
+        """Handed to the I/O thread at once; their confirms are awaited by `await_confirms`."""
+        records = self._hand_over(messages)
+        with self._lock:
+            self._unconfirmed.extend(records)
+
+    def await_confirms(self) -> None:
+        with self._lock:
+            records, self._unconfirmed = self._unconfirmed, []
+        self._confirmed(records)
+
+    def _hand_over(self, messages: Sequence[Outgoing]) -> list[_Publish]:
         self._check_open()
         deadline = time.monotonic() + self.publish_timeout
         records = [r for exchange, key, body, headers in messages
                    for r in self._records(exchange, key, body, headers, deadline)]
         self._submit(lambda: self._enqueue_publishes(records))
+        return records
+
+    def _confirmed(self, records: list[_Publish]) -> None:
+        """Wait for each record's confirm (until its deadline); TransportError for a refusal or a timeout."""
         for record in records:
             try:
-                record.future.result(timeout=max(deadline - time.monotonic(), 0.0))
+                record.future.result(timeout=max(record.deadline - time.monotonic(), 0.0))
             except TimeoutError:
                 for r in records:
                     r.future.cancel()
