@@ -15,9 +15,17 @@ from dfca.core import (
     self_weights,
     train_assigned,
 )
-from dfca.core.consensus import StepConsensus, WalkConsensus, consensus_weights, gossip_matrix, ratio_consensus
+from dfca.core.consensus import (
+    RoundedWalkConsensus,
+    StepConsensus,
+    WalkConsensus,
+    consensus_weights,
+    gossip_matrix,
+    ratio_consensus,
+)
 from dfca.core.params import flatten_cluster
 from dfca.models import MLP
+from dfca.wire import TensorSpec, as_received, model_as_received
 
 
 def random_params(n: int, k: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -187,6 +195,43 @@ def test_fold_models_equals_the_dense_definition(merge: str, weighted: bool) -> 
     assert torch.equal(all_clusters(params)[0], flat_before[0])
     assert used == int((arrivals > 0).sum())
     torch.testing.assert_close(weight, own + arrivals @ torch.nn.functional.one_hot(cluster, k).float())
+
+
+@pytest.mark.parametrize("payload", [torch.int8, torch.float16])
+@pytest.mark.parametrize("block_bytes", [64 << 20, 200])  # 200 bytes: one row of w at a time
+def test_rounded_walk_consensus_is_step_consensus_with_rounded_messages(payload: torch.dtype,
+                                                                       block_bytes: int) -> None:
+    """The simulator's consensus under lossy payloads (RoundedWalkConsensus, block by block at the round's end)
+    equals the message driver's (StepConsensus fed each step's messages as the wire rounds them), with a different
+    loss mask at every step, an isolated client and a cluster nobody trained."""
+    n, k = 14, 3
+    g = torch.Generator().manual_seed(6)
+    params = {"w": torch.randn(n, k, 5, 4, generator=g), "b": torch.randn(n, k, 4, generator=g),
+              "s": torch.randn(n, k, generator=g)}
+    adjacency = torch.rand(n, n, generator=g) < 0.3
+    adjacency = (adjacency | adjacency.T) & ~torch.eye(n, dtype=torch.bool)
+    adjacency[3] = adjacency[:, 3] = False
+    assigned = torch.randint(0, k, (n,), generator=g)
+    assigned[assigned == 2] = 1
+    m = consensus_weights(assigned, k, 0.0)
+    masks = [adjacency & (torch.rand(n, n, generator=g) > 0.2) for _ in range(4)]
+    spec = {f"num.{name}": TensorSpec(tuple(t.shape[1:])) for name, t in params.items()}
+    stepped = {name: t.clone() for name, t in params.items()}
+    step = StepConsensus(stepped, m)
+    walked = RoundedWalkConsensus(m, lambda t: model_as_received(t, payload))
+    walked.BLOCK_BYTES = block_bytes
+    for mask in masks:
+        sent = as_received({**spec, "den": TensorSpec((k,), "float32")}, step.outgoing(), payload)
+        step.receive(mask, {name: t.clone() for name, t in sent.items()})
+        step.step()
+        assert walked.receive(mask, {}) == int(mask.sum())
+    step.finish(stepped)
+    rounded = {name: t.clone() for name, t in params.items()}
+    walked.finish(rounded)
+    for name in params:
+        assert (rounded[name] - params[name]).abs().max() > 1e-2  # the consensus moved the models
+        torch.testing.assert_close(rounded[name], stepped[name], rtol=1e-6, atol=1e-6)
+        assert torch.equal(rounded[name][3, assigned[3]], params[name][3, assigned[3]])  # isolated: its own copy
 
 
 @pytest.mark.parametrize("untrained_weight", [0.0, 0.3])

@@ -133,8 +133,8 @@ class MLP(BatchedModel):
 
     def logits(self, params: Params, x: Tensor) -> Tensor:
         x = x.reshape(x.shape[0], x.shape[1], -1)
-        h = torch.baddbmm(params["b1"].unsqueeze(1), x, params["w1"]).relu_()
-        return torch.baddbmm(params["b2"].unsqueeze(1), h, params["w2"])
+        h = torch.bmm(x, params["w1"]).add_(params["b1"].unsqueeze(1)).relu_()
+        return torch.bmm(h, params["w2"]).add_(params["b2"].unsqueeze(1))
 
     def first_layer_multiply_adds(self, samples: int, epochs: int) -> dict[str, int]:
         """A client's first-layer multiply-adds for `epochs` epochs over `samples` samples, in each form."""
@@ -177,7 +177,7 @@ class MLP(BatchedModel):
     def _head_backward(self, h: Tensor, w2t: Tensor, b2: Tensor, onehot: Tensor, keep: Tensor | None) -> Tensor:
         """dL/dlogits of the batch's mean cross-entropy from hidden activations h [B, b, hidden] (w2t: w2 transposed,
         [B, classes, hidden]): (softmax - onehot) / m; with a mask, the mean is over each client's kept samples."""
-        g = torch.baddbmm(b2.unsqueeze(1), h, w2t.transpose(1, 2)).softmax(-1).sub_(onehot)
+        g = torch.bmm(h, w2t.transpose(1, 2)).add_(b2.unsqueeze(1)).softmax(-1).sub_(onehot)
         if keep is None:
             return g.div_(onehot.shape[1])
         k = keep.to(g.dtype)
@@ -213,7 +213,7 @@ class MLP(BatchedModel):
             xe, onehot = in_order(x, order), F.one_hot(in_order(y, order), self.c).to(x.dtype)
             for pos, keep in batches:
                 xb = xe[:, pos]  # [B, b, d]
-                h = torch.baddbmm(b1.unsqueeze(1), xb, w1).relu_()
+                h = torch.bmm(xb, w1).add_(b1.unsqueeze(1)).relu_()
                 g = self._head_backward(h, w2t, b2, onehot[:, pos], keep)
                 dh = torch.ops.aten.threshold_backward(torch.bmm(g, w2t), h, 0.0)
                 grads = {"w1": torch.bmm(xb.transpose(1, 2), dh), "b1": dh.sum(1),
@@ -230,8 +230,8 @@ class MLP(BatchedModel):
         Within an epoch K, P0 and u are held in the epoch's sample order, so that a batch is a slice of them.
         """
         w1, b1 = p["w1"], p["b1"]
-        gram = torch.baddbmm(x.new_ones(1, 1, 1), x, x.transpose(1, 2))  # K = X X^T + 1
-        p0 = torch.baddbmm(b1.unsqueeze(1), x, w1)  # P0 = X w1_0 + b1_0
+        gram = torch.bmm(x, x.transpose(1, 2)).add_(1.0)  # K = X X^T + 1
+        p0 = torch.bmm(x, w1).add_(b1.unsqueeze(1))  # P0 = X w1_0 + b1_0
         u, vel_u = torch.zeros_like(p0), torch.zeros_like(p0)  # u and its velocity in the data's sample order
         state = {"w2t": p["w2"].transpose(1, 2).contiguous(), "b2": p["b2"]}
         w2t, b2 = state.values()
@@ -243,7 +243,7 @@ class MLP(BatchedModel):
             if vel is not None:
                 vel["u"] = in_order(vel_u, order)
             for pos, keep in batches:
-                pre = torch.baddbmm(pe[:, pos], ke[:, pos], state["u"])  # X_b w1_t + b1_t
+                pre = torch.bmm(ke[:, pos], state["u"]).add_(pe[:, pos])  # X_b w1_t + b1_t
                 h = pre.relu()
                 g = self._head_backward(h, w2t, b2, onehot[:, pos], keep)
                 dh = torch.ops.aten.threshold_backward(torch.bmm(g, w2t), pre, 0.0)

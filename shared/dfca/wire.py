@@ -130,16 +130,15 @@ def as_received(spec: Spec, tensors: Mapping[str, torch.Tensor], model_dtype: to
     codes) and back to float32; weights and indices travel exactly."""
     if model_dtype == torch.float32:
         return dict(tensors)
-    out = {}
-    for n, s in spec.items():
-        t = tensors[n]
-        if s.kind != "model":
-            out[n] = t
-        elif model_dtype == torch.int8:
-            out[n] = round_trip(t)
-        else:
-            out[n] = t.to(model_dtype).to(t.dtype)
-    return out
+    return {n: model_as_received(t, model_dtype) if spec[n].kind == "model" else t for n, t in tensors.items()}
+
+
+def model_as_received(t: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
+    """A model tensor [..., C] as the receiver decodes it (in t's dtype): each row of its last dimension is rounded
+    on its own, so rows of it may be rounded apart, as blocks."""
+    if model_dtype == torch.int8:
+        return round_trip(t)
+    return t.to(model_dtype).to(t.dtype)
 
 
 def body_bytes(spec: Spec, shapes: Mapping[str, tuple[int, ...]], model_dtype: torch.dtype = torch.float32) -> int:

@@ -33,7 +33,7 @@ from dfca.core import accuracy_with, loss_matrix
 from dfca.data import FederatedData
 from dfca.models import BatchedModel, Params
 from dfca.schedule import RoundSchedule
-from dfca.wire import PAYLOAD_DTYPES, TensorSpec, as_received
+from dfca.wire import PAYLOAD_DTYPES, TensorSpec, as_received, model_as_received
 
 Side = Literal["clients", "server"]
 SERVER = topics.SERVER_SENDER  # the sender id of a central role
@@ -232,6 +232,13 @@ class Algorithm(ABC):
             return None
         spec = self.model_spec()
         return lambda models: as_received(spec, models, PAYLOAD_DTYPES[dtype])
+
+    def wire_tensor_rounding(self) -> Callable[[Tensor], Tensor] | None:
+        """What crossing the wire does to one model tensor [..., C] (rows of C rounded apart; None: float32)."""
+        dtype = self.ctx.cfg.runtime.payload_dtype
+        if dtype == "float32":
+            return None
+        return lambda t: model_as_received(t, PAYLOAD_DTYPES[dtype])
 
     def data(self) -> FederatedData:
         assert self.ctx.data is not None, "a central role holds no client data"

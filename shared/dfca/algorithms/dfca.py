@@ -52,7 +52,13 @@ from dfca.core import (
     self_weights,
     train_assigned,
 )
-from dfca.core.consensus import StepConsensus, WalkConsensus, consensus_weights, source_weights
+from dfca.core.consensus import (
+    RoundedWalkConsensus,
+    StepConsensus,
+    WalkConsensus,
+    consensus_weights,
+    source_weights,
+)
 from dfca.core.params import gather_clusters
 from dfca.core.screened_gossip import Screen, displacement
 from dfca.core.seeding import SeedCandidates, first_slot_scores, fit_scores, refused_candidates, responds_to_input
@@ -74,7 +80,7 @@ class DFCA(Algorithm):
         self.losses = self.losses_of(self.params)
         self.assigned = assign_clusters(self.losses)
         self.weight = torch.ones(len(ctx.clients), self.k, device=ctx.device)  # c_ij of the open one-hop merge
-        self.consensus: WalkConsensus | StepConsensus | None = None
+        self.consensus: WalkConsensus | RoundedWalkConsensus | StepConsensus | None = None
         self.seeds: SeedCandidates | None = None
 
     def exchanges(self, t: int) -> list[Exchange]:
@@ -116,9 +122,12 @@ class DFCA(Algorithm):
                  else consensus_weights(self.assigned, self.k, cfg.dfca.untrained_weight))
             if anchor is not None:
                 self.consensus = StepConsensus(self.params, m, self.screen(anchor))
+            elif not self.ctx.whole:  # the message driver: its clients' (num, den), mixed as messages arrive
+                self.consensus = StepConsensus(self.params, m)
+            elif (rounding := self.wire_tensor_rounding()) is None:  # every client here, nothing rounds what is sent
+                self.consensus = WalkConsensus(m)
             else:
-                exact = self.ctx.whole and cfg.runtime.payload_dtype == "float32"  # nothing rounds what is sent
-                self.consensus = WalkConsensus(m) if exact else StepConsensus(self.params, m)
+                self.consensus = RoundedWalkConsensus(m, rounding)
         else:
             self.weight = self_weights(self.assigned, self.k, cfg.dfca.merge_rule)
 
@@ -205,7 +214,7 @@ class DFCA(Algorithm):
         ok = responds_to_input(logits)
         predicted = logits.argmax(-1)
         for j in range(self.seeds.slot):
-            seed = self.ctx.model.logits({n: v.index_select(0, rows)[:, j] for n, v in self.params.items()}, x)
+            seed = self.ctx.model.logits({n: v[:, j].index_select(0, rows) for n, v in self.params.items()}, x)
             ok &= (predicted == seed.argmax(-1)).float().mean(1) < DUPLICATE_AGREEMENT
         return ok
 

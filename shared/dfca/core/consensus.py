@@ -12,13 +12,15 @@ no trained copy of j has reached (den = 0) keeps its own theta_ij.
 Two forms of the same state, one per kind of driver:
 - `WalkConsensus` (a driver that hosts every client and delivers each step as one [N, N] mask, the
   simulator) multiplies the G step matrices into one walk and touches the parameters once;
-- `StepConsensus` (the message driver) keeps num and den of its clients, sums what arrives and mixes
-  at the end of each step.
+  `RoundedWalkConsensus` does the same where the wire rounds each step's messages (the walk does not
+  compose then): each block of the parameters goes through the G steps in turn;
+- `StepConsensus` (the message driver, and the simulator where payloads are rounded on the wire) keeps num
+  and den of its clients, adds what arrives and mixes at the end of each step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -96,29 +98,74 @@ class WalkConsensus:
         ratio_consensus(params, self.trained, self.walk)
 
 
+class RoundedWalkConsensus:
+    """The whole graph's consensus round when the wire rounds what is sent (8-bit or 16-bit payloads): the
+    arithmetic of StepConsensus on every client, step by step, done at the end of the round block by block.
+
+    Each step's delivery mask is kept as it is received. `finish` takes every parameter in blocks of rows of its
+    last dimension (the rows an 8-bit scale covers, rounded apart), all k clusters together, through the G steps:
+    num <- (num + A_s rounding(num)) / (1 + deg_s), with den likewise but exact, and writes num/den where den >
+    MIN_WEIGHT (else the client's own copy stays). A block goes through all G steps at once because rows of a
+    parameter never mix: the memory is the parameters and one block, where StepConsensus holds num and the
+    rounded messages besides (two more copies of every client's k models)."""
+
+    BLOCK_BYTES = 64 << 20  # one block of num, all clients and clusters
+
+    def __init__(self, trained: Tensor, rounding: Callable[[Tensor], Tensor]) -> None:
+        self.trained, self.rounding = trained, rounding
+        self.masks: list[Tensor] = []  # A_s [N, N] of each step, float
+
+    def outgoing(self) -> dict[str, Tensor]:
+        return {}  # every client is hosted here: nothing is sent but the mask
+
+    def receive(self, delivered: Tensor, tensors: object) -> int:
+        self.masks.append(delivered.float())
+        return int(delivered.sum())
+
+    def step(self) -> None:
+        """Each step's mask was kept when it was received."""
+
+    @torch.no_grad()
+    def finish(self, params: Params) -> None:
+        n = self.trained.shape[0]
+        scales = [a.sum(1) + 1 for a in self.masks]  # 1 + arrivals of each step, [N]
+        den = self.trained.clone()
+        for a, scale in zip(self.masks, scales, strict=True):
+            den = den.addmm(a, den).div_(trailing(scale, den))
+        reached, den = den > MIN_WEIGHT, den.clamp_min(MIN_WEIGHT)
+        for v in params.values():
+            for own in self._blocks(v):
+                num = own * trailing(self.trained, own)
+                for a, scale in zip(self.masks, scales, strict=True):
+                    sent = self.rounding(num)
+                    num.view(n, -1).addmm_(a, sent.view(n, -1))
+                    num.div_(trailing(scale, num))
+                own.copy_(torch.where(trailing(reached, own), num / trailing(den, own), own))
+
+    def _blocks(self, v: Tensor) -> list[Tensor]:
+        """Views of v [N, k, ...] that the wire rounds apart: blocks of rows of its last dimension, [N, k, r, C]
+        of at most BLOCK_BYTES; a [N, k] tensor is one block (a message carries its k values as one row)."""
+        if v.dim() == 2:
+            return [v]
+        rows = v.view(v.shape[0], v.shape[1], -1, v.shape[-1])
+        step = max(1, self.BLOCK_BYTES // (rows.shape[0] * rows.shape[1] * rows.shape[3] * rows.element_size()))
+        return [rows[:, :, lo : lo + step] for lo in range(0, rows.shape[2], step)]
+
+
 class StepConsensus:
     """The hosted clients' num = m theta and den = m, mixed step by step from the messages that arrive.
 
     With a `screen` (`dfca.screen`, core.screened_gossip) the arrivals of a step are kept until it ends, then
-    screened and mixed; without, they are summed as they arrive."""
+    screened and mixed; without, they are added to num and den as they arrive (no second copy of num: what this
+    client sent in the step was read or encoded before anything arrived) and the step divides by 1 + arrivals."""
 
     def __init__(self, params: Params, trained: Tensor, screen: Screen | None = None) -> None:
         self.num = {n: v * trailing(trained, v) for n, v in params.items()}  # [M, k, ...]
         self.den = trained.clone()  # [M, k]
         self.screen = screen
         self.dropped = 0  # informative (arrival, cluster) pairs the screen dropped, over the round
-        self.num_sum = {n: torch.zeros_like(v) for n, v in self.num.items()}
-        self.den_sum = torch.zeros_like(self.den)
-        self.degree = torch.zeros(self.den.shape[0], device=self.den.device)
+        self.degree = torch.zeros(self.den.shape[0], device=self.den.device)  # arrivals at each row this step
         self.arrivals: list[tuple[Tensor, dict[str, Tensor], Tensor]] = []
-
-    def _clear(self) -> None:
-        """Empty the step's sums, in place (the buffers are as large as the models: kept, not reallocated)."""
-        for v in self.num_sum.values():
-            v.zero_()
-        self.den_sum.zero_()
-        self.degree.zero_()
-        self.arrivals = []
 
     def outgoing(self) -> dict[str, Tensor]:
         return {**{f"num.{n}": v for n, v in self.num.items()}, "den": self.den}
@@ -129,19 +176,23 @@ class StepConsensus:
             self.arrivals.append((delivered, {n: tensors[f"num.{n}"] for n in self.num}, tensors["den"]))
             return int(delivered.sum())
         rows = delivered.any(1).nonzero().squeeze(1)  # only they change: one message touches one row
-        if rows.numel() == delivered.shape[0]:  # every row got something (the simulator): sum in place
-            a = delivered.float()
-            for n, v in self.num_sum.items():
-                v.view(a.shape[0], -1).addmm_(a, tensors[f"num.{n}"].reshape(a.shape[1], -1).to(v.dtype))
-            self.den_sum.addmm_(a, tensors["den"].to(self.den.dtype))
-            self.degree.add_(a.sum(1))
-            return int(delivered.sum())
-        a = delivered[rows].float()
-        for n, v in self.num_sum.items():
+        every_row = rows.numel() == delivered.shape[0]  # (the simulator): sum in place on the whole tensors
+        a = delivered.float() if every_row else delivered[rows].float()
+        for n, v in self.num.items():
             src = tensors[f"num.{n}"].reshape(a.shape[1], -1).to(v.dtype)
-            v.index_add_(0, rows, (a @ src).reshape(-1, *v.shape[1:]))
-        self.den_sum.index_add_(0, rows, a @ tensors["den"].to(self.den.dtype))
-        self.degree.index_add_(0, rows, a.sum(1))
+            if src.untyped_storage().data_ptr() == v.untyped_storage().data_ptr():
+                src = src.clone()  # this step's outgoing num itself, read before it changes below
+            if every_row:
+                v.view(a.shape[0], -1).addmm_(a, src)
+            else:
+                v.index_add_(0, rows, (a @ src).reshape(-1, *v.shape[1:]))
+        den = a @ tensors["den"].to(self.den.dtype)
+        if every_row:
+            self.den.add_(den)
+            self.degree.add_(a.sum(1))
+        else:
+            self.den.index_add_(0, rows, den)
+            self.degree.index_add_(0, rows, a.sum(1))
         return int(delivered.sum())
 
     def step(self) -> None:
@@ -153,13 +204,13 @@ class StepConsensus:
                 dens = torch.cat([d for _, _, d in self.arrivals])
                 self.num, self.den, dropped = screened_mix(self.num, self.den, delivered, nums, dens, self.screen)
                 self.dropped += dropped
-            self._clear()
+            self.arrivals = []
             return
         scale = self.degree + 1  # in place: what outgoing() handed out was read by the step's receivers already
-        for n, v in self.num.items():
-            v.add_(self.num_sum[n]).div_(trailing(scale, v))
-        self.den.add_(self.den_sum).div_(trailing(scale, self.den))
-        self._clear()
+        for v in self.num.values():
+            v.div_(trailing(scale, v))
+        self.den.div_(trailing(scale, self.den))
+        self.degree.zero_()
 
     def finish(self, params: Params) -> None:
         for n, v in params.items():

@@ -25,17 +25,24 @@ def init_cluster_models(
     raise ValueError(f"init: unknown initialisation {init!r} (global or local)")
 
 
+def _flat_rows(t: Tensor, clusters: Tensor) -> Tensor:
+    """Row m * k + clusters[m] of t [M, k, ...] seen as [M * k, ...]."""
+    return torch.arange(clusters.shape[0], device=clusters.device) * t.shape[1] + clusters
+
+
 def gather_clusters(params: Params, clusters: Tensor) -> Params:
-    """params [M, k, ...], clusters [M] -> each client's model of its cluster, [M, ...] (a copy)."""
-    rows = torch.arange(clusters.shape[0], device=clusters.device)
-    return {name: t[rows, clusters].clone() for name, t in params.items()}
+    """params [M, k, ...], clusters [M] -> each client's model of its cluster, [M, ...] (a copy: whole rows of
+    memory, index_select, where advanced indexing copies element by element)."""
+    return {name: t.reshape(-1, *t.shape[2:]).index_select(0, _flat_rows(t, clusters)) for name, t in params.items()}
 
 
 def scatter_clusters(params: Params, clusters: Tensor, values: Params) -> None:
     """Write values [M, ...] back into params[m, clusters[m]] in place."""
-    rows = torch.arange(clusters.shape[0], device=clusters.device)
     for name, t in params.items():
-        t[rows, clusters] = values[name]
+        if t.is_contiguous():
+            t.view(-1, *t.shape[2:]).index_copy_(0, _flat_rows(t, clusters), values[name])
+        else:
+            t[torch.arange(clusters.shape[0], device=clusters.device), clusters] = values[name]
 
 
 def flatten_params(params: Params) -> Tensor:
