@@ -218,7 +218,7 @@ def test_rounded_walk_consensus_is_step_consensus_with_rounded_messages(payload:
     spec = {f"num.{name}": TensorSpec(tuple(t.shape[1:])) for name, t in params.items()}
     stepped = {name: t.clone() for name, t in params.items()}
     step = StepConsensus(stepped, m)
-    walked = RoundedWalkConsensus(m, lambda t: model_as_received(t, payload))
+    walked = RoundedWalkConsensus(m, lambda t, out: model_as_received(t, payload, out))
     walked.BLOCK_BYTES = block_bytes
     for mask in masks:
         sent = as_received({**spec, "den": TensorSpec((k,), "float32")}, step.outgoing(), payload)

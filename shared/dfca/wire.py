@@ -28,7 +28,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from dfca import topics
-from dfca.core.quantize import dequantize, quantize, round_trip
+from dfca.core.quantize import dequantize, quantize, round_trip, round_trip_
 
 WIRE_VERSION = "2"
 HEADER_KEYS = ("experiment", "sender", "round", "exchange", "step", "part", "sha256", "dtype", "version")
@@ -133,12 +133,15 @@ def as_received(spec: Spec, tensors: Mapping[str, torch.Tensor], model_dtype: to
     return {n: model_as_received(t, model_dtype) if spec[n].kind == "model" else t for n, t in tensors.items()}
 
 
-def model_as_received(t: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
+def model_as_received(t: torch.Tensor, model_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """A model tensor [..., C] as the receiver decodes it (in t's dtype): each row of its last dimension is rounded
-    on its own, so rows of it may be rounded apart, as blocks."""
+    on its own, so rows of it may be rounded apart, as blocks. `out`: a contiguous float32 tensor of t's shape to
+    write it into (no new tensor as large as t)."""
+    if out is None:
+        return round_trip(t) if model_dtype == torch.int8 else t.to(model_dtype).to(t.dtype)
     if model_dtype == torch.int8:
-        return round_trip(t)
-    return t.to(model_dtype).to(t.dtype)
+        return round_trip_(out.copy_(t))
+    return out.copy_(t.to(model_dtype))
 
 
 def body_bytes(spec: Spec, shapes: Mapping[str, tuple[int, ...]], model_dtype: torch.dtype = torch.float32) -> int:

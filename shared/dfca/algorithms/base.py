@@ -233,12 +233,13 @@ class Algorithm(ABC):
         spec = self.model_spec()
         return lambda models: as_received(spec, models, PAYLOAD_DTYPES[dtype])
 
-    def wire_tensor_rounding(self) -> Callable[[Tensor], Tensor] | None:
-        """What crossing the wire does to one model tensor [..., C] (rows of C rounded apart; None: float32)."""
+    def wire_tensor_rounding(self) -> Callable[[Tensor, Tensor], Tensor] | None:
+        """What crossing the wire does to one model tensor [..., C] (rows of C rounded apart), written into a second
+        tensor of its shape (None: float32, nothing)."""
         dtype = self.ctx.cfg.runtime.payload_dtype
         if dtype == "float32":
             return None
-        return lambda t: model_as_received(t, PAYLOAD_DTYPES[dtype])
+        return lambda t, out: model_as_received(t, PAYLOAD_DTYPES[dtype], out)
 
     def data(self) -> FederatedData:
         assert self.ctx.data is not None, "a central role holds no client data"

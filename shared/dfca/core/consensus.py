@@ -111,7 +111,8 @@ class RoundedWalkConsensus:
 
     BLOCK_BYTES = 64 << 20  # one block of num, all clients and clusters
 
-    def __init__(self, trained: Tensor, rounding: Callable[[Tensor], Tensor]) -> None:
+    def __init__(self, trained: Tensor, rounding: Callable[[Tensor, Tensor], Tensor]) -> None:
+        """rounding(x, out): x as the wire delivers it, written into out (a tensor of x's shape)."""
         self.trained, self.rounding = trained, rounding
         self.masks: list[Tensor] = []  # A_s [N, N] of each step, float
 
@@ -133,14 +134,16 @@ class RoundedWalkConsensus:
         for a, scale in zip(self.masks, scales, strict=True):
             den = den.addmm(a, den).div_(trailing(scale, den))
         reached, den = den > MIN_WEIGHT, den.clamp_min(MIN_WEIGHT)
-        for v in params.values():
-            for own in self._blocks(v):
-                num = own * trailing(self.trained, own)
-                for a, scale in zip(self.masks, scales, strict=True):
-                    sent = self.rounding(num)
-                    num.view(n, -1).addmm_(a, sent.view(n, -1))
-                    num.div_(trailing(scale, num))
-                own.copy_(torch.where(trailing(reached, own), num / trailing(den, own), own))
+        blocks = [own for v in params.values() for own in self._blocks(v)]
+        buffers = torch.empty(2, max(own.numel() for own in blocks), device=self.trained.device)  # num, sent
+        for own in blocks:
+            num, sent = (b[: own.numel()].view(own.shape) for b in buffers)  # reused: no new pages for every block
+            torch.mul(own, trailing(self.trained, own), out=num)
+            for a, scale in zip(self.masks, scales, strict=True):
+                self.rounding(num, sent)
+                num.view(n, -1).addmm_(a, sent.view(n, -1))
+                num.div_(trailing(scale, num))
+            own.copy_(torch.where(trailing(reached, own), num.div_(trailing(den, own)), own, out=num))
 
     def _blocks(self, v: Tensor) -> list[Tensor]:
         """Views of v [N, k, ...] that the wire rounds apart: blocks of rows of its last dimension, [N, k, r, C]

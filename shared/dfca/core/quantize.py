@@ -42,6 +42,16 @@ def dequantize(codes: Tensor, scale: Tensor) -> Tensor:
     return codes.float() * scale.float().unsqueeze(-1) if codes.dim() else codes.float() * scale.float()
 
 
+def round_trip_(x: Tensor) -> Tensor:
+    """round_trip in place on a float32 tensor [..., C] whose values may be overwritten (no new tensor as large as
+    x: where the same buffer is rounded again and again, it is not allocated again and again)."""
+    rows = x.view(-1, x.shape[-1]) if x.dim() else x.view(1, 1)
+    scale = torch.maximum(rows.amax(1), -rows.amin(1)).div_(LEVELS)
+    rows.div_(scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)).round_().clamp_(-LEVELS, LEVELS)
+    rows.mul_(scale.unsqueeze(1))
+    return x
+
+
 def round_trip(x: Tensor) -> Tensor:
     """What x is after crossing the wire as 8-bit codes, in x's dtype and on its device: dequantize(*quantize(x)),
     value for value (codes are integers below 128, exact in float32), in one working copy instead of four."""
