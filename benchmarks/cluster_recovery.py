@@ -34,9 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from resumable_runs import commit  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -241,6 +243,7 @@ def main() -> None:
     unknown = [c for c in columns if c not in COLUMNS]
     if unknown:
         p.error(f"unknown columns {unknown}; choose from {list(COLUMNS)}")
+    code = commit()  # the code this process runs (HEAD may move while it runs)
     out: Path = args.out or Path("runs/cluster_recovery" + ("_paper" if args.paper else ""))
     out.mkdir(parents=True, exist_ok=True)
     log = out / "runs.jsonl"
@@ -252,14 +255,18 @@ def main() -> None:
             for name in columns:
                 if not claim(out, log, (setting["label"], name, seed, rounds)):
                     continue  # done, or another process of this benchmark runs it
-                began = time.perf_counter()
+                began, load = time.perf_counter(), os.getloadavg()[0]
                 cfg = config(setting, COLUMNS[name], seed, rounds, args.max_train)
-                result = simulate(cfg)
+                elapsed: list[tuple[int, float]] = []  # (round, seconds since the run began) at each evaluation
+                result = simulate(cfg, on_round=lambda r, e=elapsed, b=began: e.append((r["round"],
+                                                                                     time.perf_counter() - b)))
                 s, skip = result.summary, RoundSchedule(cfg).seeding_rounds
                 run = {"setting": setting["label"], "column": name, "seed": seed, "rounds": rounds,
                        "seeding_rounds": skip, "ari": s["cluster_ari"], "acc": s["test_accuracy"],
                        "populated": s["populated_clusters"], "bytes_per_round": s["bytes_sent_per_client_per_round"],
-                       "seconds": time.perf_counter() - began,
+                       "seconds": time.perf_counter() - began, "commit": code, "load_before": load,
+                       "load_after": os.getloadavg()[0], "threads": torch.get_num_threads(),
+                       "elapsed": elapsed,
                        "curve": [(h["round"] - skip, h["ari"], h["test_accuracy"]) for h in result.history
                                  if h["round"] > skip] if "eval" in setting else None}
                 runs.append(run)

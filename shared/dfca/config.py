@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dfca.run_size import estimated_run_bytes, gib
+from dfca.run_size import SCREEN_COPIES, estimated_run_bytes, gib
 
 AlgorithmName = Literal["dfca", "ifca", "dfedavgm", "fedspd", "local", "fedkmeans", "distkmeans", "dpmm_cfl", "fesem",
                         "fedcref"]
@@ -435,7 +435,7 @@ class ExperimentConfig(Strict):
             train_per_client=d.train_per_client, test_per_client=d.test_per_client,
             samples=d.samples_per_category * (MAX_CATEGORIES_PER_CLIENT + 1) if d.partition == "categories"
             else None,  # categories: at most MAX_CATEGORIES_PER_CLIENT of S each, rounded up
-            extra_copies=1 if self.algorithm == "dfca" and self.dfca.screen else 0)  # screened gossip's anchors
+            extra_copies=SCREEN_COPIES if self.algorithm == "dfca" and self.dfca.screen else 0)
 
     def _check_categories(self) -> None:
         data, fedcref = self.data, self.algorithm == "fedcref"
