@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import socket
 import statistics
@@ -33,6 +34,7 @@ import httpx
 import pika
 import torch
 import yaml
+from resumable_runs import commit
 
 import dfca
 from dfca import topics
@@ -279,10 +281,14 @@ def main() -> None:
     parser.add_argument("--skip-exchange", action="store_true", help="only the seconds per round")
     parser.add_argument("--traffic", choices=["lean", "full"], default="lean", help="dfca.traffic of the run")
     parser.add_argument("--demo", action="store_true", help="the demo config (shared/dfca/configs/demo.yaml) instead")
+    parser.add_argument("--out", type=Path, default=Path("docs/results/runtime_benchmark_runs.jsonl"),
+                        help="JSON lines file the figures are appended to (with the commit and the machine's load)")
     args = parser.parse_args()
 
     rows: list[tuple[str, str, str, str, str]] = []
     phases: dict[str, float] = {}
+    record: dict[str, Any] = {"commit": commit(), "load_before": os.getloadavg()[0],
+                              "args": vars(args) | {"out": str(args.out)}}
     if not args.skip_rounds:
         cfg = demo_config(args.rounds) if args.demo else bench_config(args.rounds)
         cfg["dfca"] = {**cfg.get("dfca", {}), "traffic": args.traffic}
@@ -293,10 +299,17 @@ def main() -> None:
         rows.append((f"seconds per round ({clients} clients, 3 workers, traffic {args.traffic})", f"{run_s:.3f}",
                      f"{sim_s:.3f} (simulator)", f"{run_s / sim_s:.2f}x", "<= 1.25x"))
         rows.append(("final test accuracy", f"{run_acc:.4f}", f"{sim_acc:.4f} (simulator)", "", ""))
+        record.update(clients=clients, runtime_round_seconds=run_s, simulator_round_seconds=sim_s,
+                      ratio=run_s / sim_s, runtime_accuracy=run_acc, simulator_accuracy=sim_acc, phases=phases)
     for hidden in () if args.skip_exchange else (64, 200):
         runtime_rate, raw_rate, size = exchange_rates(args.broker, hidden, args.messages)
         rows.append((f"model exchange MB/s ({size / 1e3:.0f} kB payloads)", f"{runtime_rate:.1f}",
                      f"{raw_rate:.1f} (raw pika)", f"{runtime_rate / raw_rate:.0%}", ">= 70%"))
+        record[f"exchange_h{hidden}"] = {"payload_bytes": size, "runtime_mb_s": runtime_rate, "raw_pika_mb_s": raw_rate}
+    record["load_after"] = os.getloadavg()[0]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as f:
+        f.write(json.dumps(record) + "\n")
 
     widths = [max(len(r[i]) for r in [*rows, ("metric", "runtime", "baseline", "ratio", "goal")])
               for i in range(5)]
@@ -310,6 +323,8 @@ def main() -> None:
         for phase, seconds in phases.items():
             print(f"| {phase} | {seconds:.3f} | {seconds / total:.0%} |")
         print(f"| all | {total:.3f} | |")
+    print(f"\nappended to {args.out} (commit {record['commit']}, load {record['load_before']:.2f} -> "
+          f"{record['load_after']:.2f})")
 
 
 if __name__ == "__main__":

@@ -1,27 +1,40 @@
-"""Seconds per simulator round, split by phase, against a per-client PyTorch autograd loop.
+"""Seconds per simulator round, split by phase, against a per-client PyTorch autograd loop, and how close each phase
+comes to the machine's matrix-multiply rate.
 
     python benchmarks/simulator_round.py [--clients 100] [--hidden 200] [--batch 10] [--epochs 5] [--rounds 3]
+                                         [--out docs/results/simulator_round_runs.jsonl]
 
 Prints one table: the simulator's round of DFCA's paper rule (dfca.simulator.Simulation, timed by phase:
-training is the algorithm's `begin_round`, aggregation its exchange, assignment/inference the next
-round's loss matrix and the evaluation), the same round done the way reference implementations do it
-(one nn.Module and optimizer step per client, state dicts averaged in Python), their ratio, and the
-training GFLOP/s achieved against a plain torch matmul measured in the same run. Goal: simulator round
+training is the algorithm's `begin_round`, aggregation its exchange, assignment/inference the next round's loss
+matrix and the evaluation), the same round done the way reference implementations do it (one nn.Module and
+optimizer step per client, state dicts averaged in Python), and their ratio. For each phase: the floating-point
+operations it executes (multiply-adds count two), its GFLOP/s, and that as a fraction of a plain 1024x784x1024
+matrix multiply timed in the same run. Training is counted twice: the FLOPs the simulator's kernel executes
+(the MLP's "samples" form where it is cheaper, models.MLP) and the textbook step's (4dh + 6hc a sample: the
+forward and the weight gradients, no input gradient for the first layer), whose rate can exceed the matmul's
+because the kernel does less arithmetic for the same SGD. A second table times the MLP's local SGD alone in both
+forms on the same data. Appends the figures, the commit and the machine's load to --out. Goal: simulator round
 <= 0.5x the per-client loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
+from resumable_runs import commit
 from rich.console import Console
 from rich.table import Table
 from torch import nn
 
 from dfca.algorithms import Algorithm
 from dfca.config import ExperimentConfig
+from dfca.models import MLP, client_permutations
 from dfca.simulator import Simulation, prepare
 
 
@@ -120,6 +133,39 @@ def per_client_round(ctx, states: list[list[dict[str, torch.Tensor]]]) -> dict[s
     return times
 
 
+def phase_flops(cfg: ExperimentConfig, ctx: Any, batch_sgd_form: str) -> dict[str, float]:
+    """FLOPs of one round's phases as the simulator executes them, and the textbook training's."""
+    d, h, c, k = ctx.data.x_train[0, 0].numel(), cfg.model.hidden, ctx.data.num_classes, cfg.clusters
+    n, n_test, epochs, clients = ctx.data.y_train.shape[1], ctx.data.y_test.shape[1], cfg.train.local_epochs, ctx.n
+    mlp = MLP(d, h, c)
+    params = d * h + h + h * c + c
+    second_layer = 6 * h * c * epochs * n  # forward, weight gradient, input gradient
+    executed = 2 * mlp.first_layer_multiply_adds(n, epochs)[batch_sgd_form] + second_layer
+    return {
+        "training": clients * executed,
+        "training (textbook)": clients * (4 * d * h * epochs * n + second_layer),
+        "assignment + inference": clients * 2 * (d * h + h * c) * (k * n + n_test),  # k losses, one model tested
+        "aggregation": 2 * clients * clients * params,  # eq. 7: cluster j mixes the N/k copies that trained it
+    }
+
+
+def sgd_forms(ctx: Any, cfg: ExperimentConfig, repeats: int = 3) -> dict[str, float]:
+    """Seconds of the MLP's local SGD alone (every client, one model each) in each form, best of `repeats`."""
+    d = ctx.data.x_train[0, 0].numel()
+    x, y = ctx.data.x_train.reshape(ctx.n, -1, d), ctx.data.y_train
+    init = MLP(d, cfg.model.hidden, ctx.data.num_classes).init(ctx.n, torch.Generator().manual_seed(0))
+    orders = client_permutations(list(range(ctx.n)), y.shape[1], cfg.train.local_epochs)
+    best = {}
+    for form in ("weights", "samples"):
+        model = MLP(d, cfg.model.hidden, ctx.data.num_classes, form)
+        for _ in range(repeats):
+            params = {name: t.clone() for name, t in init.items()}
+            t0 = time.perf_counter()
+            model.sgd(params, x, y, cfg.train.lr, orders, cfg.train.batch_size)
+            best[form] = min(best.get(form, float("inf")), time.perf_counter() - t0)
+    return best
+
+
 def matmul_gflops(reps: int = 20) -> float:
     a, b = torch.randn(1024, 784), torch.randn(784, 1024)
     a @ b
@@ -137,8 +183,11 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--train", type=int, default=80)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path("docs/results/simulator_round_runs.jsonl"),
+                   help="JSON lines file the figures are appended to")
     args = p.parse_args()
     torch.set_flush_denormal(True)
+    load = os.getloadavg()[0]
     ctx = prepare(config(args))
     cfg = ctx.cfg
     sim = Simulation(ctx)
@@ -148,30 +197,50 @@ def main() -> None:
                for j in range(cfg.clusters)] for i in range(ctx.n)]
     vec = vectorized_rounds(sim, args.rounds)
     ref = [per_client_round(ctx, states) for _ in range(args.rounds)]
+    forms = sgd_forms(ctx, cfg)
+    mm = matmul_gflops()
     phases = ["training", "assignment + inference", "aggregation"]
 
     def mean(rows: list[dict[str, float]], key: str) -> float:
         return sum(r[key] for r in rows[1:] or rows) / len(rows[1:] or rows)  # first round is warm-up
 
-    d, h, c = ctx.data.x_train[0, 0].numel(), cfg.model.hidden, ctx.data.num_classes
-    flops = 6 * (d * h + h * c) * ctx.n * cfg.train.local_epochs * args.train  # fwd + bwd per sample
+    d, h = ctx.data.x_train[0, 0].numel(), cfg.model.hidden
+    form = MLP(d, h, ctx.data.num_classes).sgd_form(ctx.data.y_train.shape[1], cfg.train.local_epochs)
+    flops = phase_flops(cfg, ctx, form)
     table = Table(title=f"one round: {ctx.n} clients, MLP h={h}, batch {args.batch}, {args.epochs} local epochs, "
-                        f"{args.train} samples/client, k={cfg.clusters}")
-    table.add_column("phase")
-    table.add_column("simulator s", justify="right")
-    table.add_column("per-client loop s", justify="right")
-    table.add_column("ratio", justify="right")
-    for ph in phases:
-        a, b = mean(vec, ph), mean(ref, ph)
-        table.add_row(ph, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}x")
+                        f"{args.train} samples/client, k={cfg.clusters}; matmul reference {mm:.1f} GFLOP/s")
+    for column in ("phase", "simulator s", "per-client loop s", "ratio", "GFLOP", "GFLOP/s", "of matmul"):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    row: dict[str, Any] = {"commit": commit(), "load_before": load, "threads": torch.get_num_threads(),
+                           "args": vars(args) | {"out": str(args.out)}, "matmul_gflops": mm, "sgd_form": form,
+                           "phases": {}}
+    for ph in [*phases, "training (textbook)"]:
+        a, b = mean(vec, ph.split(" (")[0]), mean(ref, ph.split(" (")[0])
+        rate = flops[ph] / a / 1e9
+        table.add_row(ph, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}x", f"{flops[ph] / 1e9:.2f}", f"{rate:.1f}",
+                      f"{rate / mm:.2f}")
+        row["phases"][ph] = {"seconds": a, "reference_seconds": b, "gflop": flops[ph] / 1e9, "gflops": rate,
+                             "of_matmul": rate / mm}
     va, rb = sum(mean(vec, ph) for ph in phases), sum(mean(ref, ph) for ph in phases)
     table.add_row("[bold]round", f"[bold]{va:.3f}", f"[bold]{rb:.3f}", f"[bold]{va / rb:.2f}x (goal <= 0.5x)")
-    mm = matmul_gflops()
-    train_gflops = flops / mean(vec, "training") / 1e9
-    ref_gflops = flops / mean(ref, "training") / 1e9
-    table.add_row("training GFLOP/s", f"{train_gflops:.1f}", f"{ref_gflops:.1f}",
-                  f"{train_gflops / mm:.2f} of matmul ({mm:.1f} GFLOP/s)")
-    Console(width=130).print(table)
+    row["round_seconds"], row["reference_round_seconds"] = va, rb
+    console = Console(width=150)
+    console.print(table)
+    sgd = Table(title=f"local SGD alone ({ctx.n} clients, one model each), best of 3; auto picks {form!r}")
+    for column in ("form", "seconds", "GFLOP executed", "GFLOP/s", "of matmul", "textbook GFLOP/s"):
+        sgd.add_column(column, justify="left" if column == "form" else "right")
+    textbook = flops["training (textbook)"]
+    for name, seconds in forms.items():
+        executed = phase_flops(cfg, ctx, name)["training"]
+        sgd.add_row(name, f"{seconds:.3f}", f"{executed / 1e9:.2f}", f"{executed / seconds / 1e9:.1f}",
+                    f"{executed / seconds / 1e9 / mm:.2f}", f"{textbook / seconds / 1e9:.1f}")
+        row[f"sgd_{name}"] = {"seconds": seconds, "gflop": executed / 1e9, "gflops": executed / seconds / 1e9}
+    console.print(sgd)
+    row["load_after"] = os.getloadavg()[0]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    console.print(f"appended to {args.out} (commit {row['commit']}, load {load:.2f} -> {row['load_after']:.2f})")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,9 @@ COLUMNS: dict[str, dict[str, Any]] = {
 EVAL_EVERY = 5
 
 
+CODE = commit()  # the code this process runs, at its start (HEAD may move while it runs)
+
+
 def run_one(setting: dict[str, Any], column: str, seed: int, rounds: int, max_train: int) -> dict[str, Any]:
     began = time.perf_counter()
     cfg = config({**setting, "eval": EVAL_EVERY}, {"algorithm": "dfca", "init": "global", **COLUMNS[column]}, seed,
@@ -65,7 +68,7 @@ def run_one(setting: dict[str, Any], column: str, seed: int, rounds: int, max_tr
     result = simulate(cfg)
     s, skip = result.summary, RoundSchedule(cfg).seeding_rounds
     total = s["bytes_sent_per_client_per_round"] * RoundSchedule(cfg).total_rounds
-    return {"setting": setting["label"], "column": column, "seed": seed, "rounds": rounds, "commit": commit(),
+    return {"setting": setting["label"], "column": column, "seed": seed, "rounds": rounds, "commit": CODE,
             "payload_dtype": cfg.runtime.payload_dtype, "ari": s["cluster_ari"], "acc": s["test_accuracy"],
             "bytes": total, "seconds": time.perf_counter() - began,
             "curve": [(h["round"] - skip, h["bytes_sent_total"], h["ari"], h["test_accuracy"]) for h in result.history

@@ -183,7 +183,7 @@ class DFCA(Algorithm):
             return Outbox(rows, torch.zeros_like(rows), self.consensus.outgoing())
         order = self.assigned.argsort(stable=True)  # eq. 6, grouped by cluster
         part = self.assigned[order]
-        return Outbox(order, part, {n: v[order, part] for n, v in self.params.items()})
+        return Outbox(order, part, gather_clusters(self.params, part, order))
 
     def receive(self, ex: Exchange, inbox: Inbox) -> int:
         if ex.name == "seed":

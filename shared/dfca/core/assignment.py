@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dfca.core.params import gather_clusters
 from dfca.models import BatchedModel, Params
 
 EVAL_BLOCK = 64  # clients evaluated together
@@ -40,7 +41,7 @@ def accuracy_with(model: BatchedModel, params: Params, clusters: Tensor, x: Tens
     rows = torch.arange(M, device=x.device)
     for lo in range(0, M, EVAL_BLOCK):
         sl = slice(lo, min(lo + EVAL_BLOCK, M))
-        chosen = {n: t[rows[sl], clusters[sl]] for n, t in params.items()}
+        chosen = gather_clusters(params, clusters[sl], rows[sl])
         pred = model.logits(chosen, x[sl]).argmax(-1)
         acc[sl] = (pred == y[sl]).float().mean(1)
     return acc

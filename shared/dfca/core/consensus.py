@@ -136,12 +136,21 @@ class RoundedWalkConsensus:
         reached, den = den > MIN_WEIGHT, den.clamp_min(MIN_WEIGHT)
         blocks = [own for v in params.values() for own in self._blocks(v)]
         buffers = torch.empty(2, max(own.numel() for own in blocks), device=self.trained.device)  # num, sent
+        # The first step's messages: cluster j's num is zero but at the clients that trained it (weight 0 for the
+        # others, as the default schedule has it); their rounding is zero too, so only those rows enter its product.
+        weighted = [self.trained[:, j].nonzero().squeeze(1) for j in range(self.trained.shape[1])]
+        first_sparse = sum(len(rows) for rows in weighted) * 2 <= self.trained.numel()
         for own in blocks:
             num, sent = (b[: own.numel()].view(own.shape) for b in buffers)  # reused: no new pages for every block
             torch.mul(own, trailing(self.trained, own), out=num)
-            for a, scale in zip(self.masks, scales, strict=True):
+            for step, (a, scale) in enumerate(zip(self.masks, scales, strict=True)):
                 self.rounding(num, sent)
-                num.view(n, -1).addmm_(a, sent.view(n, -1))
+                if step == 0 and first_sparse:
+                    for j, rows in enumerate(weighted):
+                        if len(rows):
+                            num[:, j].view(n, -1).addmm_(a[:, rows], sent[rows, j].reshape(len(rows), -1))
+                else:
+                    num.view(n, -1).addmm_(a, sent.view(n, -1))
                 num.div_(trailing(scale, num))
             own.copy_(torch.where(trailing(reached, own), num.div_(trailing(den, own)), own, out=num))
 

@@ -25,15 +25,19 @@ def init_cluster_models(
     raise ValueError(f"init: unknown initialisation {init!r} (global or local)")
 
 
-def _flat_rows(t: Tensor, clusters: Tensor) -> Tensor:
-    """Row m * k + clusters[m] of t [M, k, ...] seen as [M * k, ...]."""
-    return torch.arange(clusters.shape[0], device=clusters.device) * t.shape[1] + clusters
+def _flat_rows(t: Tensor, clusters: Tensor, rows: Tensor | None = None) -> Tensor:
+    """Row rows[i] * k + clusters[i] of t [M, k, ...] seen as [M * k, ...] (rows: 0..M-1 by default)."""
+    if rows is None:
+        rows = torch.arange(clusters.shape[0], device=clusters.device)
+    return rows * t.shape[1] + clusters
 
 
-def gather_clusters(params: Params, clusters: Tensor) -> Params:
-    """params [M, k, ...], clusters [M] -> each client's model of its cluster, [M, ...] (a copy: whole rows of
-    memory, index_select, where advanced indexing copies element by element)."""
-    return {name: t.reshape(-1, *t.shape[2:]).index_select(0, _flat_rows(t, clusters)) for name, t in params.items()}
+def gather_clusters(params: Params, clusters: Tensor, rows: Tensor | None = None) -> Params:
+    """params [M, k, ...], clusters [M] -> each client's model of its cluster, [M, ...]; with `rows` [S], client
+    rows[i]'s model of clusters[i], [S, ...]. A copy: whole rows of memory (index_select), where advanced indexing
+    copies element by element."""
+    return {name: t.reshape(-1, *t.shape[2:]).index_select(0, _flat_rows(t, clusters, rows))
+            for name, t in params.items()}
 
 
 def scatter_clusters(params: Params, clusters: Tensor, values: Params) -> None:
