@@ -9,6 +9,7 @@ import torch
 
 from dfca.core import (
     assign_clusters,
+    consensus,
     fold_models,
     gather_clusters,
     scatter_clusters,
@@ -200,11 +201,14 @@ def test_fold_models_equals_the_dense_definition(merge: str, weighted: bool) -> 
 @pytest.mark.parametrize("payload", [torch.int8, torch.float16])
 @pytest.mark.parametrize("block_bytes", [64 << 20, 200])  # 200 bytes: one row of w at a time
 @pytest.mark.parametrize("untrained_weight", [0.0, 0.3])  # 0: the first step's product takes the trained rows only
+@pytest.mark.parametrize("sparse", [False, True])  # each step's mask multiplied dense, or as CSR
 def test_rounded_walk_consensus_is_step_consensus_with_rounded_messages(payload: torch.dtype, block_bytes: int,
-                                                                       untrained_weight: float) -> None:
+                                                                       untrained_weight: float, sparse: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The simulator's consensus under lossy payloads (RoundedWalkConsensus, block by block at the round's end)
     equals the message driver's (StepConsensus fed each step's messages as the wire rounds them), with a different
     loss mask at every step, an isolated client and a cluster nobody trained."""
+    monkeypatch.setattr(consensus, "SPARSE_DENSITY", 1.0 if sparse else 0.0)
     n, k = 14, 3
     g = torch.Generator().manual_seed(6)
     params = {"w": torch.randn(n, k, 5, 4, generator=g), "b": torch.randn(n, k, 4, generator=g),
@@ -226,6 +230,7 @@ def test_rounded_walk_consensus_is_step_consensus_with_rounded_messages(payload:
         step.receive(mask, {name: t.clone() for name, t in sent.items()})
         step.step()
         assert walked.receive(mask, {}) == int(mask.sum())
+    assert all((a.layout == torch.sparse_csr) == sparse for a, _ in walked.steps)
     step.finish(stepped)
     rounded = {name: t.clone() for name, t in params.items()}
     walked.finish(rounded)
@@ -237,9 +242,14 @@ def test_rounded_walk_consensus_is_step_consensus_with_rounded_messages(payload:
 
 
 @pytest.mark.parametrize("untrained_weight", [0.0, 0.3])
-def test_ratio_consensus_equals_the_dense_ratio(untrained_weight: float) -> None:
-    """theta_j <- P^G (m_j theta_j) / P^G m_j where reached, else the own copy (core.consensus), in both forms:
-    the simulator's walk over the whole graph and the message driver's step-by-step num and den."""
+@pytest.mark.parametrize("walk_form", ["walk", "dense steps", "sparse steps"])
+def test_ratio_consensus_equals_the_dense_ratio(untrained_weight: float, walk_form: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """theta_j <- P^G (m_j theta_j) / P^G m_j where reached, else the own copy (core.consensus), in every form:
+    the simulator's walk over the whole graph, its G steps one by one (dense or CSR masks; what it picks on large
+    sparse graphs) and the message driver's step-by-step num and den."""
+    monkeypatch.setattr(consensus, "SPARSE_DENSITY", 1.0 if walk_form == "sparse steps" else 0.0)
+    monkeypatch.setattr(consensus, "steps_are_cheaper", lambda *_: walk_form != "walk")
     n, k = 14, 3
     g = torch.Generator().manual_seed(5)
     params = random_params(n, k, seed=5)
@@ -270,3 +280,20 @@ def test_ratio_consensus_equals_the_dense_ratio(untrained_weight: float) -> None
     for j in range(k):
         torch.testing.assert_close(flatten_cluster(stepped, j), expected[j], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(walked.walk, walk)
+    whole = random_params(n, k, seed=5)
+    walked.finish(whole)
+    for j in range(k):
+        torch.testing.assert_close(flatten_cluster(whole, j), expected[j], rtol=1e-5, atol=1e-6)
+
+
+def test_the_walk_is_taken_on_small_dense_graphs_and_sparse_steps_on_large_sparse_ones() -> None:
+    """WalkConsensus's choice (consensus.steps_are_cheaper): the paper's N=240 ER p=0.1 multiplies the walk; 3,000
+    clients with 10 neighbours each apply the 5 steps as CSR products (the dense walk would be ~30x the work)."""
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.zeros(1, 2, 159_010)}  # the size of one MLP h=200 a cluster; only its shape is read
+    for n, p, expect in [(240, 0.1, False), (3000, 10 / 3000, True)]:
+        adjacency = torch.rand(n, n, generator=g) < p
+        steps = [consensus.gossip_step(adjacency) for _ in range(5)]
+        m = consensus_weights(torch.randint(0, 2, (n,), generator=g), 2, 0.0)
+        assert consensus.steps_are_cheaper(steps, m, params) is expect
+        assert (steps[0][0].layout == torch.sparse_csr) is expect

@@ -11,15 +11,17 @@ no trained copy of j has reached (den = 0) keeps its own theta_ij.
 
 Two forms of the same state, one per kind of driver:
 - `WalkConsensus` (a driver that hosts every client and delivers each step as one [N, N] mask, the
-  simulator) multiplies the G step matrices into one walk and touches the parameters once;
-  `RoundedWalkConsensus` does the same where the wire rounds each step's messages (the walk does not
-  compose then): each block of the parameters goes through the G steps in turn;
+  simulator) multiplies the G step matrices into one walk and touches the parameters once, or on large sparse
+  graphs (where the walk is dense and a step is not) applies the G sparse steps to each block of the parameters;
+  `RoundedWalkConsensus` does the latter always, where the wire rounds each step's messages (the walk does not
+  compose then);
 - `StepConsensus` (the message driver, and the simulator where payloads are rounded on the wire) keeps num
   and den of its clients, adds what arrives and mixes at the end of each step.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 
 import torch
@@ -77,91 +79,148 @@ def ratio_consensus(params: Params, trained: Tensor, walk: Tensor) -> None:
             view.mul_(keep).addmm_(coeff, trained_copies)
 
 
+# A step's mask this sparse or sparser is multiplied as CSR, in place (Tensor.addmm_ with a CSR first factor): one
+# product [N, N] x [N, C] at N=240 with 24 neighbours (density 0.1) took as long as the dense one, at N=1,000 and
+# 3,000 with 10 neighbours 1/10 and 1/30 of it, about 9 dense multiply-adds' time per stored entry.
+SPARSE_DENSITY = 0.05
+SPARSE_ENTRY_COST = 9
+
+
+Step = tuple[Tensor, Tensor]  # a step's A [N, N] (float, dense or CSR) and 1 + each client's arrivals [N]
+
+
+def gossip_step(delivered: Tensor) -> Step:
+    """A step's delivery mask as the factor of its products (CSR where it is sparse enough) and its divisor."""
+    a = delivered.float()
+    scale = a.sum(1) + 1
+    if a.shape[0] > 1 and delivered.sum() <= SPARSE_DENSITY * a.numel() and a.device.type == "cpu":
+        with warnings.catch_warnings():  # "sparse CSR support is in beta": addmm_ with it is tested here
+            warnings.simplefilter("ignore", UserWarning)
+            return a.to_sparse_csr(), scale
+    return a, scale
+
+
+@torch.no_grad()
+def stepwise_consensus(params: Params, trained: Tensor, steps: list[Step],
+                       rounding: Callable[[Tensor, Tensor], Tensor] | None, block_bytes: int) -> None:
+    """In place: every client's ratio consensus over `steps` (gossip_step: A_s [N, N] and 1 + deg_s), what
+    is sent rounded by `rounding` (None: sent exactly), block by block of rows of each parameter's last dimension:
+    num <- (num + A_s sent(num)) / (1 + deg_s), den likewise but exact; num/den where den > MIN_WEIGHT, else the
+    client's own copy. Rows of a parameter never mix, so a block goes through all G steps at once and the memory is
+    the parameters and two blocks."""
+    n = trained.shape[0]
+    den = trained.clone()
+    for a, scale in steps:
+        den = den.addmm(a, den).div_(trailing(scale, den))
+    reached, den = den > MIN_WEIGHT, den.clamp_min(MIN_WEIGHT)
+    blocks = [own for v in params.values() for own in parameter_blocks(v, block_bytes)]
+    buffers = torch.empty(2, max(own.numel() for own in blocks), device=trained.device)  # num, sent
+    # The first step's messages: cluster j's num is zero but at the clients that trained it (weight 0 for the
+    # others, as the default schedule has it); what they send is zero too, so only those rows enter a dense product.
+    weighted = [trained[:, j].nonzero().squeeze(1) for j in range(trained.shape[1])]
+    first_rows = sum(len(rows) for rows in weighted) * 2 <= trained.numel()
+    for own in blocks:
+        num, sent = (b[: own.numel()].view(own.shape) for b in buffers)  # reused: no new pages for every block
+        torch.mul(own, trailing(trained, own), out=num)
+        for step, (a, scale) in enumerate(steps):
+            if rounding is None:
+                sent.copy_(num)
+            else:
+                rounding(num, sent)
+            if step == 0 and first_rows and a.layout == torch.strided:
+                for j, rows in enumerate(weighted):
+                    if len(rows):
+                        num[:, j].view(n, -1).addmm_(a[:, rows], sent[rows, j].reshape(len(rows), -1))
+            else:
+                num.view(n, -1).addmm_(a, sent.view(n, -1))
+            num.div_(trailing(scale, num))
+        own.copy_(torch.where(trailing(reached, own), num.div_(trailing(den, own)), own, out=num))
+
+
+def parameter_blocks(v: Tensor, block_bytes: int) -> list[Tensor]:
+    """Views of v [N, k, ...] that the wire rounds apart: blocks of rows of its last dimension, [N, k, r, C] of
+    at most block_bytes; a [N, k] tensor is one block (a message carries its k values as one row)."""
+    if v.dim() == 2:
+        return [v]
+    rows = v.view(v.shape[0], v.shape[1], -1, v.shape[-1])
+    step = max(1, block_bytes // (rows.shape[0] * rows.shape[1] * rows.shape[3] * rows.element_size()))
+    return [rows[:, :, lo : lo + step] for lo in range(0, rows.shape[2], step)]
+
+
+def steps_are_cheaper(steps: list[Step], trained: Tensor, params: Params) -> bool:
+    """Whether G products with the step masks (sparse ones at SPARSE_ENTRY_COST a stored entry) cost fewer
+    multiply-adds than the walk: its G [N, N] products and the product of its columns that carry weight with the
+    models."""
+    n, k = trained.shape
+    per_cluster = sum(v[0, 0].numel() for v in params.values())
+    stepwise = sum(SPARSE_ENTRY_COST * a._nnz() if a.layout != torch.strided else n * n for a, _ in steps)
+    walk = len(steps) * n**3 + n * int((trained != 0).sum()) * per_cluster
+    return stepwise * k * per_cluster < walk
+
+
 class WalkConsensus:
-    """The whole graph's consensus round: each step's mask becomes a matrix of the walk."""
+    """The whole graph's consensus round, each step's mask kept as it is received. At the end either the G step
+    matrices are multiplied into one walk and the parameters touched once (ratio_consensus), or, where that costs
+    more (large sparse graphs: the walk is dense, a step is not), the steps are applied one by one
+    (stepwise_consensus, exact)."""
+
+    BLOCK_BYTES = 64 << 20  # stepwise: one block of num, all clients and clusters
 
     def __init__(self, trained: Tensor) -> None:
         self.trained = trained
-        self.walk = torch.eye(trained.shape[0], device=trained.device)
+        self.steps: list[Step] = []
 
     def outgoing(self) -> dict[str, Tensor]:
         return {}  # every client is hosted here: nothing is sent but the mask
 
     def receive(self, delivered: Tensor, tensors: object) -> int:
-        self.walk = gossip_matrix(delivered) @ self.walk
+        self.steps.append(gossip_step(delivered))
         return int(delivered.sum())
 
     def step(self) -> None:
-        """Each step's matrix entered the walk when it was received."""
+        """Each step's mask was kept when it was received."""
+
+    @property
+    def walk(self) -> Tensor:
+        """P_G ... P_1, P_s = (A_s + I) row-normalised."""
+        walk = torch.eye(self.trained.shape[0], device=self.trained.device)
+        for a, scale in self.steps:
+            dense = a.to_dense() if a.layout != torch.strided else a
+            walk = (dense + torch.eye(len(scale), device=dense.device)).div_(scale.unsqueeze(1)) @ walk
+        return walk
 
     def finish(self, params: Params) -> None:
-        ratio_consensus(params, self.trained, self.walk)
+        if steps_are_cheaper(self.steps, self.trained, params):
+            stepwise_consensus(params, self.trained, self.steps, None, self.BLOCK_BYTES)
+        else:
+            ratio_consensus(params, self.trained, self.walk)
 
 
 class RoundedWalkConsensus:
     """The whole graph's consensus round when the wire rounds what is sent (8-bit or 16-bit payloads): the
-    arithmetic of StepConsensus on every client, step by step, done at the end of the round block by block.
-
-    Each step's delivery mask is kept as it is received. `finish` takes every parameter in blocks of rows of its
-    last dimension (the rows an 8-bit scale covers, rounded apart), all k clusters together, through the G steps:
-    num <- (num + A_s rounding(num)) / (1 + deg_s), with den likewise but exact, and writes num/den where den >
-    MIN_WEIGHT (else the client's own copy stays). A block goes through all G steps at once because rows of a
-    parameter never mix: the memory is the parameters and one block, where StepConsensus holds num and the
-    rounded messages besides (two more copies of every client's k models)."""
+    arithmetic of StepConsensus on every client, step by step, done at the end of the round block by block
+    (stepwise_consensus: the memory is the parameters and two blocks, where StepConsensus holds num and the
+    rounded messages besides, two more copies of every client's k models)."""
 
     BLOCK_BYTES = 64 << 20  # one block of num, all clients and clusters
 
     def __init__(self, trained: Tensor, rounding: Callable[[Tensor, Tensor], Tensor]) -> None:
         """rounding(x, out): x as the wire delivers it, written into out (a tensor of x's shape)."""
         self.trained, self.rounding = trained, rounding
-        self.masks: list[Tensor] = []  # A_s [N, N] of each step, float
+        self.steps: list[Step] = []
 
     def outgoing(self) -> dict[str, Tensor]:
         return {}  # every client is hosted here: nothing is sent but the mask
 
     def receive(self, delivered: Tensor, tensors: object) -> int:
-        self.masks.append(delivered.float())
+        self.steps.append(gossip_step(delivered))
         return int(delivered.sum())
 
     def step(self) -> None:
         """Each step's mask was kept when it was received."""
 
-    @torch.no_grad()
     def finish(self, params: Params) -> None:
-        n = self.trained.shape[0]
-        scales = [a.sum(1) + 1 for a in self.masks]  # 1 + arrivals of each step, [N]
-        den = self.trained.clone()
-        for a, scale in zip(self.masks, scales, strict=True):
-            den = den.addmm(a, den).div_(trailing(scale, den))
-        reached, den = den > MIN_WEIGHT, den.clamp_min(MIN_WEIGHT)
-        blocks = [own for v in params.values() for own in self._blocks(v)]
-        buffers = torch.empty(2, max(own.numel() for own in blocks), device=self.trained.device)  # num, sent
-        # The first step's messages: cluster j's num is zero but at the clients that trained it (weight 0 for the
-        # others, as the default schedule has it); their rounding is zero too, so only those rows enter its product.
-        weighted = [self.trained[:, j].nonzero().squeeze(1) for j in range(self.trained.shape[1])]
-        first_sparse = sum(len(rows) for rows in weighted) * 2 <= self.trained.numel()
-        for own in blocks:
-            num, sent = (b[: own.numel()].view(own.shape) for b in buffers)  # reused: no new pages for every block
-            torch.mul(own, trailing(self.trained, own), out=num)
-            for step, (a, scale) in enumerate(zip(self.masks, scales, strict=True)):
-                self.rounding(num, sent)
-                if step == 0 and first_sparse:
-                    for j, rows in enumerate(weighted):
-                        if len(rows):
-                            num[:, j].view(n, -1).addmm_(a[:, rows], sent[rows, j].reshape(len(rows), -1))
-                else:
-                    num.view(n, -1).addmm_(a, sent.view(n, -1))
-                num.div_(trailing(scale, num))
-            own.copy_(torch.where(trailing(reached, own), num.div_(trailing(den, own)), own, out=num))
-
-    def _blocks(self, v: Tensor) -> list[Tensor]:
-        """Views of v [N, k, ...] that the wire rounds apart: blocks of rows of its last dimension, [N, k, r, C]
-        of at most BLOCK_BYTES; a [N, k] tensor is one block (a message carries its k values as one row)."""
-        if v.dim() == 2:
-            return [v]
-        rows = v.view(v.shape[0], v.shape[1], -1, v.shape[-1])
-        step = max(1, self.BLOCK_BYTES // (rows.shape[0] * rows.shape[1] * rows.shape[3] * rows.element_size()))
-        return [rows[:, :, lo : lo + step] for lo in range(0, rows.shape[2], step)]
+        stepwise_consensus(params, self.trained, self.steps, self.rounding, self.BLOCK_BYTES)
 
 
 class StepConsensus:
