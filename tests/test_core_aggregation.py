@@ -14,6 +14,7 @@ from dfca.core import (
     gather_clusters,
     scatter_clusters,
     self_weights,
+    sparse_factor,
     train_assigned,
 )
 from dfca.core.consensus import (
@@ -167,9 +168,12 @@ def all_clusters(params: dict[str, torch.Tensor]) -> torch.Tensor:
 
 @pytest.mark.parametrize("merge", ["paper", "fresh"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_fold_models_equals_the_dense_definition(merge: str, weighted: bool) -> None:
+@pytest.mark.parametrize("sparse", [False, True])  # the arrivals' coefficients multiplied dense, or as CSR
+def test_fold_models_equals_the_dense_definition(merge: str, weighted: bool, sparse: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """fold_models touches only the rows that received something, in place, reading a cluster's sources as a view
     where they are contiguous; the result is (c theta + A x) / (c + A 1) per cluster all the same."""
+    monkeypatch.setattr(sparse_factor, "SPARSE_DENSITY", 1.0 if sparse else 0.0)
     n, k, s = 12, 3, 15
     g = torch.Generator().manual_seed(4)
     params = random_params(n, k, seed=4)
@@ -208,7 +212,7 @@ def test_rounded_walk_consensus_is_step_consensus_with_rounded_messages(payload:
     """The simulator's consensus under lossy payloads (RoundedWalkConsensus, block by block at the round's end)
     equals the message driver's (StepConsensus fed each step's messages as the wire rounds them), with a different
     loss mask at every step, an isolated client and a cluster nobody trained."""
-    monkeypatch.setattr(consensus, "SPARSE_DENSITY", 1.0 if sparse else 0.0)
+    monkeypatch.setattr(sparse_factor, "SPARSE_DENSITY", 1.0 if sparse else 0.0)
     n, k = 14, 3
     g = torch.Generator().manual_seed(6)
     params = {"w": torch.randn(n, k, 5, 4, generator=g), "b": torch.randn(n, k, 4, generator=g),
@@ -248,7 +252,7 @@ def test_ratio_consensus_equals_the_dense_ratio(untrained_weight: float, walk_fo
     """theta_j <- P^G (m_j theta_j) / P^G m_j where reached, else the own copy (core.consensus), in every form:
     the simulator's walk over the whole graph, its G steps one by one (dense or CSR masks; what it picks on large
     sparse graphs) and the message driver's step-by-step num and den."""
-    monkeypatch.setattr(consensus, "SPARSE_DENSITY", 1.0 if walk_form == "sparse steps" else 0.0)
+    monkeypatch.setattr(sparse_factor, "SPARSE_DENSITY", 1.0 if walk_form == "sparse steps" else 0.0)
     monkeypatch.setattr(consensus, "steps_are_cheaper", lambda *_: walk_form != "walk")
     n, k = 14, 3
     g = torch.Generator().manual_seed(5)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from dfca.core.params import cluster_views
+from dfca.core.sparse_factor import product_factor
 from dfca.models import Params
 
 
@@ -66,6 +67,7 @@ def fold_models(params: Params, weight: Tensor, arrivals: Tensor, cluster: Tenso
         every_row = rows.numel() * 2 >= M  # in place on the whole view; else only the rows that moved
         if not every_row:
             own, coef = own[rows], coef[rows]
+        coef = product_factor(coef)  # CSR on large sparse graphs (a row holds its neighbours' columns only)
         for name, view in zip(params, cluster_views(params, j), strict=True):
             src = sources[name][cols].reshape(coef.shape[1], -1).to(view.dtype)
             if src.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():

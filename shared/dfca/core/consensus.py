@@ -21,12 +21,12 @@ Two forms of the same state, one per kind of driver:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
 
+from dfca.core import sparse_factor
 from dfca.core.params import cluster_views
 from dfca.core.ratio import MIN_WEIGHT, ratio_estimate, trailing
 from dfca.core.screened_gossip import Screen, screened_mix
@@ -79,25 +79,13 @@ def ratio_consensus(params: Params, trained: Tensor, walk: Tensor) -> None:
             view.mul_(keep).addmm_(coeff, trained_copies)
 
 
-# A step's mask this sparse or sparser is multiplied as CSR, in place (Tensor.addmm_ with a CSR first factor): one
-# product [N, N] x [N, C] at N=240 with 24 neighbours (density 0.1) took as long as the dense one, at N=1,000 and
-# 3,000 with 10 neighbours 1/10 and 1/30 of it, about 9 dense multiply-adds' time per stored entry.
-SPARSE_DENSITY = 0.05
-SPARSE_ENTRY_COST = 9
-
-
 Step = tuple[Tensor, Tensor]  # a step's A [N, N] (float, dense or CSR) and 1 + each client's arrivals [N]
 
 
 def gossip_step(delivered: Tensor) -> Step:
     """A step's delivery mask as the factor of its products (CSR where it is sparse enough) and its divisor."""
     a = delivered.float()
-    scale = a.sum(1) + 1
-    if a.shape[0] > 1 and delivered.sum() <= SPARSE_DENSITY * a.numel() and a.device.type == "cpu":
-        with warnings.catch_warnings():  # "sparse CSR support is in beta": addmm_ with it is tested here
-            warnings.simplefilter("ignore", UserWarning)
-            return a.to_sparse_csr(), scale
-    return a, scale
+    return sparse_factor.product_factor(a), a.sum(1) + 1
 
 
 @torch.no_grad()
@@ -153,7 +141,7 @@ def steps_are_cheaper(steps: list[Step], trained: Tensor, params: Params) -> boo
     models."""
     n, k = trained.shape
     per_cluster = sum(v[0, 0].numel() for v in params.values())
-    stepwise = sum(SPARSE_ENTRY_COST * a._nnz() if a.layout != torch.strided else n * n for a, _ in steps)
+    stepwise = sum(sparse_factor.SPARSE_ENTRY_COST * a._nnz() if a.layout != torch.strided else n * n for a, _ in steps)
     walk = len(steps) * n**3 + n * int((trained != 0).sum()) * per_cluster
     return stepwise * k * per_cluster < walk
 
