@@ -194,6 +194,21 @@ class TransportContract:
         second = connect()
         assert second.receive(queues["q"], QUIET_S) is None
 
+    def test_ack_many_removes_every_message_and_names_one_it_could_not_ack(self, connect: Connect,
+                                                                           names: Names) -> None:
+        first = connect()
+        exchange, queues = topic_setup(first, names, {"q": ["k"]})
+        for i in range(5):
+            first.publish(exchange, "k", f"m{i}".encode())
+        taken = [must_receive(first, queues["q"]) for _ in range(5)]
+        first.ack(taken[0])
+        with pytest.raises(TransportError):
+            first.ack_many(taken)  # taken[0] is settled already: the other four are acked all the same
+        first.close()
+        second = connect()
+        assert second.receive(queues["q"], QUIET_S) is None
+        second.close()
+
     def test_reject_with_requeue_redelivers(self, transport: Transport, names: Names) -> None:
         exchange, queues = topic_setup(transport, names, {"q": ["k"]})
         transport.publish(exchange, "k", b"again", {"h": "1"})

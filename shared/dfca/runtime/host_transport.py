@@ -40,8 +40,7 @@ class HostTransport(Transport):
     # -- the additions ---------------------------------------------------------------------------
     def flush_acks(self) -> int:
         pending, self._pending_acks = self._pending_acks, []
-        for message in pending:
-            self.inner.ack(message)
+        self.inner.ack_many(pending)
         return len(pending)
 
     def interrupt(self) -> None:

@@ -153,6 +153,18 @@ class Transport(ABC):
     @abstractmethod
     def ack(self, message: Message) -> None: ...
 
+    def ack_many(self, messages: Sequence[Message]) -> None:
+        """Acknowledge every one of `messages`, as `ack` does each; a message that cannot be acked (settled
+        already, a lost connection) raises TransportError after the others are acked."""
+        error: TransportError | None = None
+        for message in messages:
+            try:
+                self.ack(message)
+            except TransportError as err:
+                error = error or err
+        if error is not None:
+            raise error
+
     @abstractmethod
     def reject(self, message: Message, requeue: bool = False) -> None: ...
 

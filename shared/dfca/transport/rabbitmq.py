@@ -471,6 +471,20 @@ class RabbitMQTransport(Transport):
         delivery = self._take_delivery(message)
         self._submit(lambda: self._settle(delivery, lambda ch, tag: ch.basic_ack(tag), final=True))
 
+    def ack_many(self, messages: Sequence[Message]) -> None:
+        """One hand-over to the I/O thread for all of them (`ack` wakes it once a message)."""
+        deliveries: list[_Delivery] = []
+        error: TransportError | None = None
+        for message in messages:
+            try:
+                deliveries.append(self._take_delivery(message))
+            except TransportError as err:
+                error = error or err
+        if deliveries:
+            self._submit(lambda: [self._settle(d, lambda ch, tag: ch.basic_ack(tag), final=True) for d in deliveries])
+        if error is not None:
+            raise error
+
     def reject(self, message: Message, requeue: bool = False) -> None:
         delivery = self._take_delivery(message)
         self._submit(lambda: self._settle(
