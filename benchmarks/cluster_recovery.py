@@ -77,6 +77,9 @@ COLUMNS: dict[str, dict[str, Any]] = {
     "paper LI": {"algorithm": "dfca", "init": "local", "dfca": {"variant": "paper"}},
     "robust GI": {"algorithm": "dfca", "init": "global", "dfca": {"variant": "robust", "seeding": "farthest"}},
     "robust LI": {"algorithm": "dfca", "init": "local", "dfca": {"variant": "robust", "seeding": "farthest"}},
+    # the default with exact (float32) payloads: in the simulator G gossip steps then compose into one walk
+    "robust GI float32": {"algorithm": "dfca", "init": "global", "dfca": {"variant": "robust", "seeding": "farthest"},
+                          "runtime": {"payload_dtype": "float32"}},
     "no-seeding GI": {"algorithm": "dfca", "init": "global", "dfca": {"variant": "robust", "seeding": "none"}},
     "no-seeding LI": {"algorithm": "dfca", "init": "local", "dfca": {"variant": "robust", "seeding": "none"}},
     "IFCA": {"algorithm": "ifca", "init": "global"},

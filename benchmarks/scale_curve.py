@@ -1,16 +1,16 @@
 """How the simulator's cost grows with the number of clients: seconds per round and peak memory.
 
-    python benchmarks/scale_curve.py [--clients 100,300,1000,3000,10000] [--rounds 3] [--degree 10]
+    python benchmarks/scale_curve.py [--clients 100,300,1000,3000,10000] [--rounds 5] [--degree 10]
                                      [--out runs/scale_curve]
 
 The workload of benchmarks/simulator_round.py (rotated MNIST bundled, k=2, MLP h=200, 80 training samples per
-client, 5 local epochs, batch 10, lr 0.1) under today's default algorithm (robust DFCA: farthest-first
-seeding, then ratio consensus), on an Erdos-Renyi graph with `--degree` expected neighbours per client (p =
-degree / (N - 1)), so that a client's traffic stays the same as N grows. `dfca.warmup_rounds` is 1, so that
-`--rounds 3` measures one warm-up round (10 gossip steps) and two later rounds (3 steps), after the seeding
-rounds. Each N runs in a process of its own: its peak resident memory is that process's ru_maxrss. A config
-whose estimated tensors exceed this machine's available memory is refused by the simulator before it
-allocates; the table says so, with the estimate.
+client, 5 local epochs, batch 10, lr 0.1) under the default algorithm (robust DFCA, `dfca.traffic: lean`:
+farthest-first seeding, then one-hop merges, and 5 steps of ratio consensus every 5th round counted back from
+the last, 8-bit payloads), on an Erdos-Renyi graph with `--degree` expected neighbours per client (p = degree /
+(N - 1)), so that a client's traffic stays the same as N grows. `--rounds 5` measures, after the seeding rounds,
+four merge rounds and one gossip round. Each N runs in a process of its own: its peak resident memory is that
+process's ru_maxrss. A config whose estimated tensors exceed this machine's available memory is refused by the
+simulator before it allocates; the table says so, with the estimate.
 
 Writes `runs.jsonl` (one line per N) and `table.md` (with the commit and the machine's load) under --out, and
 prints the table. No figure here is asserted by a test.
@@ -42,7 +42,6 @@ def config(clients: int, rounds: int, degree: float, hidden: int) -> dict[str, A
         "model": {"kind": "mlp", "hidden": hidden},
         "train": {"lr": 0.1, "local_epochs": 5, "batch_size": 10},
         "topology": {"kind": "erdos_renyi", "p": min(1.0, degree / max(clients - 1, 1))},
-        "dfca": {"traffic": "full", "warmup_rounds": 1},  # the schedule docs/performance.md's curve measured
     }
 
 
@@ -52,17 +51,19 @@ def measure_one(clients: int, rounds: int, degree: float, hidden: int) -> dict[s
 
     from dfca.config import ExperimentConfig
     from dfca.run_size import RunTooLarge, gib
+    from dfca.schedule import RoundSchedule
     from dfca.simulator import simulate
 
     cfg = ExperimentConfig.model_validate(config(clients, rounds, degree, hidden))
     row: dict[str, Any] = {"clients": clients, "estimated_bytes": cfg.estimated_bytes(),
                            "threads": torch.get_num_threads()}
     phases: dict[str, list[float]] = {}
+    schedule = RoundSchedule(cfg)
 
-    def on_round(record: dict[str, Any]) -> None:  # the first training round is the (only) warm-up round
+    def on_round(record: dict[str, Any]) -> None:  # every round is evaluated: record["round"] is t + 1
         phase = record["phase"]
-        if phase == "training" and "warmup" not in phases:
-            phase = "warmup"
+        if phase == "training":
+            phase = "gossip" if schedule.gossip_steps(record["round"] - 1) else "merge"
         phases.setdefault(phase, []).append(record["seconds"])
 
     start = time.perf_counter()
@@ -106,7 +107,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, load_before: str
         f"--hidden {args.hidden}` at commit {commit()}, one process per N ({rows[0].get('threads', '?')} torch "
         f"threads); load average before {load_before}, after {load_after}.",
         "",
-        "| clients N | seeding round (s) | warm-up round, 10 gossip steps (s) | later round, 3 steps (s) | "
+        "| clients N | seeding round (s) | merge round (s) | gossip round, 5 steps (s) | "
         "peak memory | estimate | accuracy | ARI | MB sent per client per round |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -119,7 +120,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, load_before: str
             notes.append(f"N={n}: {why}")
             continue
         lines.append(
-            f"| {n} | {seconds(row, 'seeding')} | {seconds(row, 'warmup')} | {seconds(row, 'training')} | "
+            f"| {n} | {seconds(row, 'seeding')} | {seconds(row, 'merge')} | {seconds(row, 'gossip')} | "
             f"{row['peak_rss_bytes'] / 2**30:.2f} GiB | {row['estimated_bytes'] / 2**30:.2f} GiB | "
             f"{row['test_accuracy']:.3f} | {row['cluster_ari']:.2f} | "
             f"{row['bytes_sent_per_client_per_round'] / 1e6:.1f} |")
@@ -133,7 +134,7 @@ def load_average() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", default="100,300,1000,3000,10000", help="comma-separated N")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds after seeding (the first is the warm-up)")
+    parser.add_argument("--rounds", type=int, default=5, help="training rounds after seeding (the last gossips)")
     parser.add_argument("--degree", type=float, default=10.0, help="expected neighbours per client")
     parser.add_argument("--hidden", type=int, default=200)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one N may take")

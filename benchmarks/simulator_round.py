@@ -34,7 +34,7 @@ from torch import nn
 
 from dfca.algorithms import Algorithm
 from dfca.config import ExperimentConfig
-from dfca.models import MLP, client_permutations
+from dfca.models import CLIENT_BLOCK, MLP, client_permutations
 from dfca.simulator import Simulation, prepare
 
 
@@ -175,6 +175,17 @@ def matmul_gflops(reps: int = 20) -> float:
     return 2 * 1024 * 784 * 1024 * reps / (time.perf_counter() - t0) / 1e9
 
 
+def step_product_gflops(batch: int, samples: int, hidden: int, reps: int = 200) -> float:
+    """The sample-space step's main product alone, K_b U for a block of clients ([32, batch, n] x [32, n, h],
+    models.CLIENT_BLOCK clients): the matmul rate at the shape training actually multiplies."""
+    a, b = torch.randn(CLIENT_BLOCK, batch, samples), torch.randn(CLIENT_BLOCK, samples, hidden)
+    torch.bmm(a, b)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        torch.bmm(a, b)
+    return 2 * CLIENT_BLOCK * batch * samples * hidden * reps / (time.perf_counter() - t0) / 1e9
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=100)
@@ -199,6 +210,7 @@ def main() -> None:
     ref = [per_client_round(ctx, states) for _ in range(args.rounds)]
     forms = sgd_forms(ctx, cfg)
     mm = matmul_gflops()
+    step_mm = step_product_gflops(args.batch, args.train, args.hidden)
     phases = ["training", "assignment + inference", "aggregation"]
 
     def mean(rows: list[dict[str, float]], key: str) -> float:
@@ -236,6 +248,10 @@ def main() -> None:
                     f"{executed / seconds / 1e9 / mm:.2f}", f"{textbook / seconds / 1e9:.1f}")
         row[f"sgd_{name}"] = {"seconds": seconds, "gflop": executed / 1e9, "gflops": executed / seconds / 1e9}
     console.print(sgd)
+    row["step_product_gflops"] = step_mm
+    console.print(f"the sample-space step's product alone ([{CLIENT_BLOCK}, {args.batch}, {args.train}] x "
+                  f"[{CLIENT_BLOCK}, {args.train}, {args.hidden}] bmm): {step_mm:.1f} GFLOP/s = {step_mm / mm:.2f} "
+                  "of the matmul reference")
     row["load_after"] = os.getloadavg()[0]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
