@@ -306,3 +306,37 @@ def test_records_survive_a_topology_restart_and_an_unwritable_folder_is_not_fata
     unwritable = Coordinator(InMemoryTransport(broker), "dtest", workers=3, state_dir=tmp_path / "file" / "records")
     assert unwritable.create(ExperimentConfig.model_validate(small())).status == "created"
     assert unwritable.state_dir is None
+
+
+def test_a_worker_done_before_a_topology_restart_is_not_presumed_dead_after_it(broker: InMemoryBroker,
+                                                                               tmp_path: Path) -> None:
+    """A worker that finished the run never speaks again. Its `finished` is saved when it arrives, so the topology
+    service restarted after it (as Kubernetes restarts a killed pod) still counts it finished: when the last worker
+    finishes the run completes with no failed clients, even long after the restart's grace period."""
+    ensure_broker_topology(InMemoryTransport(broker))
+    clock = [1000.0]
+    first = Coordinator(InMemoryTransport(broker), "dtest", workers=3, state_dir=tmp_path / "records",
+                        clock=lambda: clock[0])
+    record = first.create(ExperimentConfig.model_validate(small()))
+    first.start(record.id)
+    rounds = record.config.rounds
+
+    def event(w: int, state: str) -> WorkerEvent:
+        return WorkerEvent(deployment="dtest", experiment=record.id, worker=w, incarnation=f"i{w}",
+                           state=state, round=rounds if state == "finished" else 1, at=clock[0])  # type: ignore[arg-type]
+
+    for w in range(3):
+        first.on_event(event(w, "ready"))
+    first.tick()
+    assert first.get(record.id).go
+    for w in (0, 2):
+        first.on_event(event(w, "finished"))
+    again = Coordinator(InMemoryTransport(broker), "dtest", workers=3, state_dir=tmp_path / "records",
+                        clock=lambda: clock[0])
+    restored = again.get(record.id)
+    assert {w: v.state for w, v in restored.worker_views.items()} == {0: "finished", 1: "running", 2: "finished"}
+    clock[0] += 10 * dead_after(record.config)
+    again.on_event(event(1, "finished"))
+    again.tick()
+    final = again.get(record.id)
+    assert final.status == "completed" and final.failed_clients == []

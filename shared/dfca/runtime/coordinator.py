@@ -27,7 +27,7 @@ from dfca.config import ExperimentConfig
 from dfca.graph import build_graph
 from dfca.principals import host_of
 from dfca.runtime.event_consumer import QueueConsumer
-from dfca.runtime.experiments import HEARTBEAT_S, RUNTIME_ALGORITHMS, ExperimentRecord
+from dfca.runtime.experiments import DONE_STATES, HEARTBEAT_S, RUNTIME_ALGORITHMS, ExperimentRecord
 from dfca.runtime.messages import (
     ExperimentEvent,
     FinalModelsShare,
@@ -274,7 +274,11 @@ class Coordinator:
             record = self.records.get(event.experiment)
             if record is None or record.status not in ("running", "stopping"):
                 return
+            view = record.worker_views.get(event.worker)
+            before = None if view is None else view.state
             record.observe(event, self.clock())
+            if record.worker_views[event.worker].state in DONE_STATES and before not in DONE_STATES:
+                self._changed(record, announce=False)  # saved: a restarted service must know it is done
 
     def tick(self) -> None:
         now = self.clock()

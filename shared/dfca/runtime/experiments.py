@@ -31,6 +31,9 @@ HEARTBEAT_S = 2.0
 RUNTIME_ALGORITHMS = frozenset(ALGORITHMS)  # every algorithm runs on the message driver; ifca needs the aggregator
 
 
+DONE_STATES = ("finished", "failed", "stopped")  # a worker's last word on a run
+
+
 def dead_after(cfg: ExperimentConfig) -> float:
     """Seconds of silence after which a worker is presumed dead."""
     return max(3.0 * cfg.runtime.round_timeout, 10.0, 5 * HEARTBEAT_S)
@@ -235,6 +238,8 @@ class ExperimentRecord:
             "effective_round": self.effective_round, "go": self.go, "created_at": self.created_at,
             "started_at": self.started_at, "finished_at": self.finished_at, "failed_clients": self.failed_clients,
             "round": self.round,
+            # a worker done with the run never speaks again: a restarted topology service must not presume it dead
+            "done_workers": {str(w): v.state for w, v in self.worker_views.items() if v.state in DONE_STATES},
         }
 
     @classmethod
@@ -250,4 +255,7 @@ class ExperimentRecord:
         now = time.time()  # a restarted topology service gives every worker a fresh grace period
         record.worker_views = {w: WorkerView(state="running" if record.go else "pending", last_seen=now)
                                for w in record.hosting_workers()} if record.status in ("running", "stopping") else {}
+        for w, state in data.get("done_workers", {}).items():
+            if int(w) in record.worker_views and state in DONE_STATES:
+                record.worker_views[int(w)].state = state
         return record
