@@ -172,9 +172,8 @@ class WalkConsensus:
     def walk(self) -> Tensor:
         """P_G ... P_1, P_s = (A_s + I) row-normalised."""
         walk = torch.eye(self.trained.shape[0], device=self.trained.device)
-        for a, scale in self.steps:
-            dense = a.to_dense() if a.layout != torch.strided else a
-            walk = (dense + torch.eye(len(scale), device=dense.device)).div_(scale.unsqueeze(1)) @ walk
+        for a, _ in self.steps:
+            walk = gossip_matrix(a.to_dense() if a.layout != torch.strided else a) @ walk
         return walk
 
     def finish(self, params: Params) -> None:
@@ -184,28 +183,16 @@ class WalkConsensus:
             ratio_consensus(params, self.trained, self.walk)
 
 
-class RoundedWalkConsensus:
+class RoundedWalkConsensus(WalkConsensus):
     """The whole graph's consensus round when the wire rounds what is sent (8-bit or 16-bit payloads): the
     arithmetic of StepConsensus on every client, step by step, done at the end of the round block by block
     (stepwise_consensus: the memory is the parameters and two blocks, where StepConsensus holds num and the
     rounded messages besides, two more copies of every client's k models)."""
 
-    BLOCK_BYTES = 64 << 20  # one block of num, all clients and clusters
-
     def __init__(self, trained: Tensor, rounding: Callable[[Tensor, Tensor], Tensor]) -> None:
         """rounding(x, out): x as the wire delivers it, written into out (a tensor of x's shape)."""
-        self.trained, self.rounding = trained, rounding
-        self.steps: list[Step] = []
-
-    def outgoing(self) -> dict[str, Tensor]:
-        return {}  # every client is hosted here: nothing is sent but the mask
-
-    def receive(self, delivered: Tensor, tensors: object) -> int:
-        self.steps.append(gossip_step(delivered))
-        return int(delivered.sum())
-
-    def step(self) -> None:
-        """Each step's mask was kept when it was received."""
+        super().__init__(trained)
+        self.rounding = rounding
 
     def finish(self, params: Params) -> None:
         stepwise_consensus(params, self.trained, self.steps, self.rounding, self.BLOCK_BYTES)
