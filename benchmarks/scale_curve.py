@@ -104,8 +104,8 @@ def seconds(row: dict[str, Any], phase: str) -> str:
 def table(rows: list[dict[str, Any]], args: argparse.Namespace, load_before: str, load_after: str) -> str:
     lines = [
         f"`python benchmarks/scale_curve.py --clients {args.clients} --rounds {args.rounds} --degree {args.degree} "
-        f"--hidden {args.hidden}` at commit {commit()}, one process per N ({rows[0].get('threads', '?')} torch "
-        f"threads); load average before {load_before}, after {load_after}.",
+        f"--hidden {args.hidden}` at commit {rows[0].get('commit', '?')}, one process per N "
+        f"({rows[0].get('threads', '?')} torch threads); load average before {load_before}, after {load_after}.",
         "",
         "| clients N | seeding round (s) | merge round (s) | gossip round, 5 steps (s) | "
         "peak memory | estimate | accuracy | ARI | MB sent per client per round |",
@@ -146,13 +146,13 @@ def main() -> int:
         return 0
     sizes = [int(n) for n in args.clients.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
-    load_before = load_average()
+    load_before, code = load_average(), commit()  # the code the children run, at the start (HEAD may move)
     rows = []
     with (args.out / "runs.jsonl").open("a") as runs:
         for clients in sizes:
             t0 = time.perf_counter()
             row = run_child(clients, args)
-            row.update(commit=commit(), load=load_average())
+            row.update(commit=code, load=load_average())
             rows.append(row)
             runs.write(json.dumps(row) + "\n")
             runs.flush()

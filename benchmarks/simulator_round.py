@@ -166,24 +166,23 @@ def sgd_forms(ctx: Any, cfg: ExperimentConfig, repeats: int = 3) -> dict[str, fl
     return best
 
 
-def matmul_gflops(reps: int = 20) -> float:
-    a, b = torch.randn(1024, 784), torch.randn(784, 1024)
+def product_gflops(a: torch.Tensor, b: torch.Tensor, reps: int) -> float:
+    """GFLOP/s of a @ b (batched where a and b are), warmed up once, timed over `reps` products."""
     a @ b
     t0 = time.perf_counter()
     for _ in range(reps):
         a @ b
-    return 2 * 1024 * 784 * 1024 * reps / (time.perf_counter() - t0) / 1e9
+    return 2 * a[..., 0].numel() * a.shape[-1] * b.shape[-1] * reps / (time.perf_counter() - t0) / 1e9
+
+
+def matmul_gflops(reps: int = 20) -> float:
+    return product_gflops(torch.randn(1024, 784), torch.randn(784, 1024), reps)
 
 
 def step_product_gflops(batch: int, samples: int, hidden: int, reps: int = 200) -> float:
     """The sample-space step's main product alone, K_b U for a block of clients ([32, batch, n] x [32, n, h],
     models.CLIENT_BLOCK clients): the matmul rate at the shape training actually multiplies."""
-    a, b = torch.randn(CLIENT_BLOCK, batch, samples), torch.randn(CLIENT_BLOCK, samples, hidden)
-    torch.bmm(a, b)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        torch.bmm(a, b)
-    return 2 * CLIENT_BLOCK * batch * samples * hidden * reps / (time.perf_counter() - t0) / 1e9
+    return product_gflops(torch.randn(CLIENT_BLOCK, batch, samples), torch.randn(CLIENT_BLOCK, samples, hidden), reps)
 
 
 def main() -> None:

@@ -481,7 +481,7 @@ class RabbitMQTransport(Transport):
             except TransportError as err:
                 error = error or err
         if deliveries:
-            self._submit(lambda: [self._settle(d, lambda ch, tag: ch.basic_ack(tag), final=True) for d in deliveries])
+            self._submit(lambda: self._settle_all(deliveries))
         if error is not None:
             raise error
 
@@ -1033,6 +1033,10 @@ class RabbitMQTransport(Transport):
         else:
             return
         channel.basic_qos(prefetch_count=consumer.qos_limit, global_qos=True)
+
+    def _settle_all(self, deliveries: list[_Delivery]) -> None:
+        for delivery in deliveries:
+            self._settle(delivery, lambda ch, tag: ch.basic_ack(tag), final=True)
 
     def _settle(self, delivery: _Delivery, action: Callable[[Channel, int], None], final: bool) -> None:
         """Ack or reject every broker delivery behind one message; `final` unless requeued."""
