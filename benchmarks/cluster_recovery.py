@@ -102,13 +102,14 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def config(setting: dict[str, Any], column: dict[str, Any], seed: int, rounds: int, max_train: int) -> ExperimentConfig:
+def config(setting: dict[str, Any], column: dict[str, Any], seed: int, rounds: int, max_train: int,
+           device: str = "cpu") -> ExperimentConfig:
     k, n = setting["k"], setting["n"]
     per_cluster = -(-n // k)
     every = setting.get("eval", rounds)
     base = {
         "name": "recovery", "clusters": k, "rounds": rounds, "seed": seed, "eval_every": every,
-        "aggregation": "batch",
+        "aggregation": "batch", "device": device,
         "data": {"dataset": "mnist-bundled", "rotations": [0, 180] if k == 2 else [0, 90, 180, 270],
                  "clients": n, "train_per_client": min(max_train, TRAIN_IMAGES // per_cluster),
                  "test_per_client": min(50, TEST_IMAGES // per_cluster), "permute_per_cluster": True},
@@ -237,6 +238,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="2 seeds, 12 rounds, the first 2 settings")
     p.add_argument("--render", action="store_true", help="only print and plot what runs.jsonl holds")
     p.add_argument("--out", type=Path, default=None, help="default runs/cluster_recovery (or ..._paper)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the simulations run")
     args = p.parse_args()
     if args.quick:
         args.seeds, args.rounds, args.settings = 2, 12, args.settings or "0,1"
@@ -259,7 +261,7 @@ def main() -> None:
                 if not claim(out, log, (setting["label"], name, seed, rounds)):
                     continue  # done, or another process of this benchmark runs it
                 began, load = time.perf_counter(), os.getloadavg()[0]
-                cfg = config(setting, COLUMNS[name], seed, rounds, args.max_train)
+                cfg = config(setting, COLUMNS[name], seed, rounds, args.max_train, args.device)
                 elapsed: list[tuple[int, float]] = []  # (round, seconds since the run began) at each evaluation
                 result = simulate(cfg, on_round=lambda r, e=elapsed, b=began: e.append((r["round"],
                                                                                      time.perf_counter() - b)))
@@ -270,6 +272,7 @@ def main() -> None:
                        "seconds": time.perf_counter() - began, "commit": code, "load_before": load,
                        "load_after": os.getloadavg()[0], "threads": torch.get_num_threads(),
                        "elapsed": elapsed,
+                       "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                        "curve": [(h["round"] - skip, h["ari"], h["test_accuracy"]) for h in result.history
                                  if h["round"] > skip] if "eval" in setting else None}
                 runs.append(run)

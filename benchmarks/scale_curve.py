@@ -1,7 +1,7 @@
 """How the simulator's cost grows with the number of clients: seconds per round and peak memory.
 
     python benchmarks/scale_curve.py [--clients 100,300,1000,3000,10000] [--rounds 5] [--degree 10]
-                                     [--out runs/scale_curve]
+                                     [--device cpu] [--out runs/scale_curve]
 
 The workload of benchmarks/simulator_round.py (rotated MNIST bundled, k=2, MLP h=200, 80 training samples per
 client, 5 local epochs, batch 10, lr 0.1) under the default algorithm (robust DFCA, `dfca.traffic: lean`:
@@ -9,8 +9,9 @@ farthest-first seeding, then one-hop merges, and 5 steps of ratio consensus ever
 the last, 8-bit payloads), on an Erdos-Renyi graph with `--degree` expected neighbours per client (p = degree /
 (N - 1)), so that a client's traffic stays the same as N grows. `--rounds 5` measures, after the seeding rounds,
 four merge rounds and one gossip round. Each N runs in a process of its own: its peak resident memory is that
-process's ru_maxrss. A config whose estimated tensors exceed this machine's available memory is refused by the
-simulator before it allocates; the table says so, with the estimate.
+process's ru_maxrss, and with `--device cuda` the GPU's peak allocated memory beside it. A config whose estimated
+tensors exceed the device's available memory is refused by the simulator before it allocates; the table says so,
+with the estimate.
 
 Writes `runs.jsonl` (one line per N) and `table.md` (with the commit and the machine's load) under --out, and
 prints the table. No figure here is asserted by a test.
@@ -34,9 +35,9 @@ BENCHMARKS = Path(__file__).resolve().parent
 REPO = BENCHMARKS.parent
 
 
-def config(clients: int, rounds: int, degree: float, hidden: int) -> dict[str, Any]:
+def config(clients: int, rounds: int, degree: float, hidden: int, device: str = "cpu") -> dict[str, Any]:
     return {
-        "name": f"scale-{clients}", "clusters": 2, "rounds": rounds, "seed": 0, "eval_every": 1,
+        "name": f"scale-{clients}", "clusters": 2, "rounds": rounds, "seed": 0, "eval_every": 1, "device": device,
         "data": {"dataset": "mnist-bundled", "rotations": [0, 180], "clients": clients, "train_per_client": 80,
                  "test_per_client": 10},
         "model": {"kind": "mlp", "hidden": hidden},
@@ -45,7 +46,7 @@ def config(clients: int, rounds: int, degree: float, hidden: int) -> dict[str, A
     }
 
 
-def measure_one(clients: int, rounds: int, degree: float, hidden: int) -> dict[str, Any]:
+def measure_one(clients: int, rounds: int, degree: float, hidden: int, device: str = "cpu") -> dict[str, Any]:
     """Run one N here and return its figures (called in a child process)."""
     import torch
 
@@ -54,9 +55,9 @@ def measure_one(clients: int, rounds: int, degree: float, hidden: int) -> dict[s
     from dfca.schedule import RoundSchedule
     from dfca.simulator import simulate
 
-    cfg = ExperimentConfig.model_validate(config(clients, rounds, degree, hidden))
+    cfg = ExperimentConfig.model_validate(config(clients, rounds, degree, hidden, device))
     row: dict[str, Any] = {"clients": clients, "estimated_bytes": cfg.estimated_bytes(),
-                           "threads": torch.get_num_threads()}
+                           "threads": torch.get_num_threads(), "device": device}
     phases: dict[str, list[float]] = {}
     schedule = RoundSchedule(cfg)
 
@@ -80,12 +81,14 @@ def measure_one(clients: int, rounds: int, degree: float, hidden: int) -> dict[s
         bytes_sent_per_client_per_round=result.summary["bytes_sent_per_client_per_round"],
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )
+    if device == "cuda":
+        row.update(peak_gpu_bytes=torch.cuda.max_memory_allocated(), gpu=torch.cuda.get_device_name())
     return row
 
 
 def run_child(clients: int, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--one", str(clients), "--rounds", str(args.rounds), "--degree",
-               str(args.degree), "--hidden", str(args.hidden)]
+               str(args.degree), "--hidden", str(args.hidden), "--device", args.device]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -102,13 +105,15 @@ def seconds(row: dict[str, Any], phase: str) -> str:
 
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace, load_before: str, load_after: str) -> str:
+    gpu = next((f", on {row['gpu']}" for row in rows if "gpu" in row), "")
     lines = [
         f"`python benchmarks/scale_curve.py --clients {args.clients} --rounds {args.rounds} --degree {args.degree} "
-        f"--hidden {args.hidden}` at commit {rows[0].get('commit', '?')}, one process per N "
-        f"({rows[0].get('threads', '?')} torch threads); load average before {load_before}, after {load_after}.",
+        f"--hidden {args.hidden} --device {args.device}` at commit {rows[0].get('commit', '?')}, one process per N "
+        f"({rows[0].get('threads', '?')} torch threads{gpu}); load average before {load_before}, after {load_after}.",
         "",
         "| clients N | seeding round (s) | merge round (s) | gossip round, 5 steps (s) | "
-        "peak memory | estimate | accuracy | ARI | MB sent per client per round |",
+        f"peak memory{' (GPU)' if args.device == 'cuda' else ''} | estimate | accuracy | ARI | "
+        "MB sent per client per round |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     notes: list[str] = []
@@ -121,7 +126,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, load_before: str
             continue
         lines.append(
             f"| {n} | {seconds(row, 'seeding')} | {seconds(row, 'merge')} | {seconds(row, 'gossip')} | "
-            f"{row['peak_rss_bytes'] / 2**30:.2f} GiB | {row['estimated_bytes'] / 2**30:.2f} GiB | "
+            f"{row.get('peak_gpu_bytes', row['peak_rss_bytes']) / 2**30:.2f} GiB | "
+            f"{row['estimated_bytes'] / 2**30:.2f} GiB | "
             f"{row['test_accuracy']:.3f} | {row['cluster_ari']:.2f} | "
             f"{row['bytes_sent_per_client_per_round'] / 1e6:.1f} |")
     return "\n".join([*lines, "", *notes]) + "\n"
@@ -138,11 +144,12 @@ def main() -> int:
     parser.add_argument("--degree", type=float, default=10.0, help="expected neighbours per client")
     parser.add_argument("--hidden", type=int, default=200)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one N may take")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where each N's simulation runs")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "scale_curve")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # child: measure this N, print JSON
     args = parser.parse_args()
     if args.one is not None:
-        print(json.dumps(measure_one(args.one, args.rounds, args.degree, args.hidden)))
+        print(json.dumps(measure_one(args.one, args.rounds, args.degree, args.hidden, args.device)))
         return 0
     sizes = [int(n) for n in args.clients.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -2,14 +2,16 @@
 comes to the machine's matrix-multiply rate.
 
     python benchmarks/simulator_round.py [--clients 100] [--hidden 200] [--batch 10] [--epochs 5] [--rounds 3]
-                                         [--out docs/results/simulator_round_runs.jsonl]
+                                         [--device cpu] [--out docs/results/simulator_round_runs.jsonl]
 
 Prints one table: the simulator's round of DFCA's paper rule (dfca.simulator.Simulation, timed by phase:
 training is the algorithm's `begin_round`, aggregation its exchange, assignment/inference the next round's loss
 matrix and the evaluation), the same round done the way reference implementations do it (one nn.Module and
 optimizer step per client, state dicts averaged in Python), and their ratio. For each phase: the floating-point
-operations it executes (multiply-adds count two), its GFLOP/s, and that as a fraction of a plain 1024x784x1024
-matrix multiply timed in the same run. Training is counted twice: the FLOPs the simulator's kernel executes
+operations it executes (multiply-adds count two), its GFLOP/s, and that as a fraction of a plain matrix multiply
+timed in the same run on the same device (1024x784x1024 on the CPU; 8192x8192x8192 float32 on a GPU, whose small
+products are launch-bound). With `--device cuda` both rounds and every reference run on the GPU, and each timed
+span ends with torch.cuda.synchronize(). Training is counted twice: the FLOPs the simulator's kernel executes
 (the MLP's "samples" form where it is cheaper, models.MLP) and the textbook step's (4dh + 6hc a sample: the
 forward and the weight gradients, no input gradient for the first layer), whose rate can exceed the matmul's
 because the kernel does less arithmetic for the same SGD. A second table times the MLP's local SGD alone in both
@@ -45,8 +47,14 @@ def config(args: argparse.Namespace) -> ExperimentConfig:
                  "train_per_client": args.train, "test_per_client": 10, "permute_per_cluster": True},
         "model": {"kind": "mlp", "hidden": args.hidden},
         "train": {"lr": 0.1, "local_epochs": args.epochs, "batch_size": args.batch},
-        "topology": {"kind": "erdos_renyi", "p": 0.15}, "dfca": {"variant": "paper"},
+        "topology": {"kind": "erdos_renyi", "p": 0.15}, "dfca": {"variant": "paper"}, "device": args.device,
     })
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work, so a timed span holds its kernels (nothing on the CPU)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def timed_phases(algo: Algorithm) -> list[dict[str, float]]:
@@ -59,8 +67,10 @@ def timed_phases(algo: Algorithm) -> list[dict[str, float]]:
         step = getattr(algo, method)
 
         def wrapper(*args, step=step, phase=phase):  # type: ignore[no-untyped-def]
+            synchronize()
             t0 = time.perf_counter()
             out = step(*args)
+            synchronize()
             rounds[-1][phase] = rounds[-1].get(phase, 0.0) + time.perf_counter() - t0
             return out
 
@@ -91,8 +101,9 @@ def per_client_round(ctx, states: list[list[dict[str, torch.Tensor]]]) -> dict[s
     """The reference style: a module per client, autograd, Python-level averaging of state dicts."""
     cfg, d = ctx.cfg, ctx.data
     n, k = len(states), cfg.clusters
-    net = RefMLP(d.x_train[0, 0].numel(), cfg.model.hidden, d.num_classes)
+    net = RefMLP(d.x_train[0, 0].numel(), cfg.model.hidden, d.num_classes).to(ctx.device)
     times: dict[str, float] = {}
+    synchronize()
     t0 = time.perf_counter()
     assigned = []
     with torch.no_grad():
@@ -105,6 +116,7 @@ def per_client_round(ctx, states: list[list[dict[str, torch.Tensor]]]) -> dict[s
             assigned.append(c)
             net.load_state_dict(states[i][c])
             (net(d.x_test[i]).argmax(1) == d.y_test[i]).float().mean()
+    synchronize()
     times["assignment + inference"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     for i in range(n):
@@ -118,6 +130,7 @@ def per_client_round(ctx, states: list[list[dict[str, torch.Tensor]]]) -> dict[s
                 nn.functional.cross_entropy(net(d.x_train[i, idx]), d.y_train[i, idx]).backward()
                 opt.step()
         states[i][assigned[i]] = {k_: v.detach().clone() for k_, v in net.state_dict().items()}
+    synchronize()
     times["training"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     adj = ctx.adjacency
@@ -129,6 +142,7 @@ def per_client_round(ctx, states: list[list[dict[str, torch.Tensor]]]) -> dict[s
                 new[i][j] = {name: (states[i][j][name] + sum(states[m][j][name] for m in senders)) / (len(senders) + 1)
                              for name in states[i][j]}
     states[:] = new
+    synchronize()
     times["aggregation"] = time.perf_counter() - t0
     return times
 
@@ -153,15 +167,18 @@ def sgd_forms(ctx: Any, cfg: ExperimentConfig, repeats: int = 3) -> dict[str, fl
     """Seconds of the MLP's local SGD alone (every client, one model each) in each form, best of `repeats`."""
     d = ctx.data.x_train[0, 0].numel()
     x, y = ctx.data.x_train.reshape(ctx.n, -1, d), ctx.data.y_train
-    init = MLP(d, cfg.model.hidden, ctx.data.num_classes).init(ctx.n, torch.Generator().manual_seed(0))
+    init = {name: t.to(ctx.device) for name, t in
+            MLP(d, cfg.model.hidden, ctx.data.num_classes).init(ctx.n, torch.Generator().manual_seed(0)).items()}
     orders = client_permutations(list(range(ctx.n)), y.shape[1], cfg.train.local_epochs)
     best = {}
     for form in ("weights", "samples"):
         model = MLP(d, cfg.model.hidden, ctx.data.num_classes, form)
         for _ in range(repeats):
             params = {name: t.clone() for name, t in init.items()}
+            synchronize()
             t0 = time.perf_counter()
             model.sgd(params, x, y, cfg.train.lr, orders, cfg.train.batch_size)
+            synchronize()
             best[form] = min(best.get(form, float("inf")), time.perf_counter() - t0)
     return best
 
@@ -169,20 +186,28 @@ def sgd_forms(ctx: Any, cfg: ExperimentConfig, repeats: int = 3) -> dict[str, fl
 def product_gflops(a: torch.Tensor, b: torch.Tensor, reps: int) -> float:
     """GFLOP/s of a @ b (batched where a and b are), warmed up once, timed over `reps` products."""
     a @ b
+    synchronize()
     t0 = time.perf_counter()
     for _ in range(reps):
         a @ b
+    synchronize()
     return 2 * a[..., 0].numel() * a.shape[-1] * b.shape[-1] * reps / (time.perf_counter() - t0) / 1e9
 
 
-def matmul_gflops(reps: int = 20) -> float:
-    return product_gflops(torch.randn(1024, 784), torch.randn(784, 1024), reps)
+def reference_shape(device: torch.device) -> tuple[int, int, int]:
+    return (1024, 784, 1024) if device.type == "cpu" else (8192, 8192, 8192)
 
 
-def step_product_gflops(batch: int, samples: int, hidden: int, reps: int = 200) -> float:
+def matmul_gflops(device: torch.device, reps: int = 20) -> float:
+    m, k, n = reference_shape(device)
+    return product_gflops(torch.randn(m, k, device=device), torch.randn(k, n, device=device), reps)
+
+
+def step_product_gflops(batch: int, samples: int, hidden: int, device: torch.device, reps: int = 200) -> float:
     """The sample-space step's main product alone, K_b U for a block of clients ([32, batch, n] x [32, n, h],
     models.CLIENT_BLOCK clients): the matmul rate at the shape training actually multiplies."""
-    return product_gflops(torch.randn(CLIENT_BLOCK, batch, samples), torch.randn(CLIENT_BLOCK, samples, hidden), reps)
+    return product_gflops(torch.randn(CLIENT_BLOCK, batch, samples, device=device),
+                          torch.randn(CLIENT_BLOCK, samples, hidden, device=device), reps)
 
 
 def main() -> None:
@@ -193,6 +218,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--train", type=int, default=80)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both rounds and the references run")
     p.add_argument("--out", type=Path, default=Path("docs/results/simulator_round_runs.jsonl"),
                    help="JSON lines file the figures are appended to")
     args = p.parse_args()
@@ -208,8 +234,8 @@ def main() -> None:
     vec = vectorized_rounds(sim, args.rounds)
     ref = [per_client_round(ctx, states) for _ in range(args.rounds)]
     forms = sgd_forms(ctx, cfg)
-    mm = matmul_gflops()
-    step_mm = step_product_gflops(args.batch, args.train, args.hidden)
+    mm = matmul_gflops(ctx.device)
+    step_mm = step_product_gflops(args.batch, args.train, args.hidden, ctx.device)
     phases = ["training", "assignment + inference", "aggregation"]
 
     def mean(rows: list[dict[str, float]], key: str) -> float:
@@ -219,10 +245,13 @@ def main() -> None:
     form = MLP(d, h, ctx.data.num_classes).sgd_form(ctx.data.y_train.shape[1], cfg.train.local_epochs)
     flops = phase_flops(cfg, ctx, form)
     table = Table(title=f"one round: {ctx.n} clients, MLP h={h}, batch {args.batch}, {args.epochs} local epochs, "
-                        f"{args.train} samples/client, k={cfg.clusters}; matmul reference {mm:.1f} GFLOP/s")
+                        f"{args.train} samples/client, k={cfg.clusters}, on {ctx.device}; matmul reference "
+                        f"{'x'.join(map(str, reference_shape(ctx.device)))} {mm:.1f} GFLOP/s")
     for column in ("phase", "simulator s", "per-client loop s", "ratio", "GFLOP", "GFLOP/s", "of matmul"):
         table.add_column(column, justify="left" if column == "phase" else "right")
     row: dict[str, Any] = {"commit": commit(), "load_before": load, "threads": torch.get_num_threads(),
+                           "device": torch.cuda.get_device_name() if ctx.device.type == "cuda" else "cpu",
+                           "matmul_shape": reference_shape(ctx.device),
                            "args": vars(args) | {"out": str(args.out)}, "matmul_gflops": mm, "sgd_form": form,
                            "phases": {}}
     for ph in [*phases, "training (textbook)"]:

@@ -16,6 +16,7 @@ from dfca import devices
 from dfca.cli import app
 from dfca.devices import DeviceUnavailable, resolve_device, worker_device
 from dfca.graph import build_graph, neighbours
+from dfca.run_size import RunTooLarge, available_bytes, check_fits_memory
 from dfca.runtime.client_runner import ClientRunner, RunSpec
 from dfca.runtime.messages import RoundReport, WorkerEvent
 from dfca.simulator import simulate
@@ -100,6 +101,26 @@ def test_dfca_device_places_a_workers_clients(tmp_path: Path, monkeypatch: pytes
     failed, events = run_worker("cpu", "cuda", tmp_path / "b")  # a GPU worker image on a machine without one
     assert failed.status.state == "failed" and "DFCA_DEVICE: cuda" in failed.status.detail
     assert events[-1].state == "failed" and "no CUDA device" in events[-1].detail  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_worker_trains_its_clients_on_the_device_dfca_device_names(device: str, tmp_path: Path) -> None:
+    runner, events = run_worker("cpu", device, tmp_path)  # the config says cpu; DFCA_DEVICE decides
+    assert runner.status.state == "finished" and runner.driver is not None, runner.status.detail
+    assert runner.device.type == runner.driver.algorithm.ctx.device.type == device
+    assert all(t.device.type == device for t in runner.driver.algorithm.state().values())
+    accuracy = [sum(r.evaluation["test_accuracy"]) / len(r.evaluation["test_accuracy"])
+                for r in events if isinstance(r, RoundReport) and r.evaluation]
+    assert accuracy and accuracy[-1] > 0.1  # it trained there (chance is 0.1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_run_larger_than_the_devices_free_memory_is_refused_naming_the_device(device: str) -> None:
+    free = available_bytes(device)
+    assert free is not None and free > 0
+    check_fits_memory(free // 2, "half of it", device)
+    with pytest.raises(RunTooLarge, match="this machine" if device == "cpu" else "the cuda device"):
+        check_fits_memory(free + (1 << 30), "this run", device)
 
 
 def test_payloads_cross_the_wire_as_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:

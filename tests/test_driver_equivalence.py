@@ -75,12 +75,14 @@ def assert_rows_match(actual: dict[str, torch.Tensor], expected: dict[str, torch
 SCHEMA_ALGORITHMS = get_args(ExperimentConfig.model_fields["algorithm"].annotation)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("algorithm", SCHEMA_ALGORITHMS)
-def test_every_algorithm_the_schema_accepts_runs_the_same_on_both_drivers(algorithm: str) -> None:
+def test_every_algorithm_the_schema_accepts_runs_the_same_on_both_drivers(algorithm: str, device: str) -> None:
     """Registered (dfca.algorithms), accepted by the runtime, and two rounds on the message drivers end where the
-    simulator ends: an algorithm added to the schema is held to this without a test of its own."""
+    simulator ends, on each device this machine has: an algorithm added to the schema is held to this without a
+    test of its own."""
     assert algorithm in CLIENTS and algorithm in RUNTIME_ALGORITHMS
-    cfg = config_for(algorithm)
+    cfg = config_for(algorithm).model_copy(update={"device": device})
     ctx = prepare(cfg)
     sim = simulate(cfg, data=ctx.data)
     run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 3)

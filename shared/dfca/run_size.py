@@ -45,8 +45,13 @@ def estimated_run_bytes(*, dataset: str, features: str, feature_dim: int, kind: 
     return models + data
 
 
-def available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (None where there is none)."""
+def available_bytes(device: str = "cpu") -> int | None:
+    """Free memory where a run's tensors will live: the GPU's free memory for a `cuda` device, else MemAvailable of
+    /proc/meminfo (None where there is none)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -64,10 +69,12 @@ class RunTooLarge(MemoryError):
     """A run whose estimated tensors do not fit this machine's available memory."""
 
 
-def check_fits_memory(needed: int, what: str) -> None:
-    """Refuse before allocating when `needed` bytes exceed the memory available here."""
-    free = available_bytes()
+def check_fits_memory(needed: int, what: str, device: str = "cpu") -> None:
+    """Refuse before allocating when `needed` bytes exceed the memory available on `device` (the GPU's own memory
+    for `cuda`)."""
+    free = available_bytes(device)
     if free is not None and needed > free:
-        raise RunTooLarge(f"{what} needs about {gib(needed)} of tensors (model copies and data), but this machine "
+        place = "this machine" if device == "cpu" else f"the {device} device"
+        raise RunTooLarge(f"{what} needs about {gib(needed)} of tensors (model copies and data), but {place} "
                           f"has {gib(free)} available: fewer clients, a smaller model.hidden or fewer samples per "
                           "client (or more workers) would fit")

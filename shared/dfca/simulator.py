@@ -69,7 +69,7 @@ class SimContext:
 def prepare(cfg: ExperimentConfig, data: FederatedData | None = None) -> SimContext:
     device = resolve_device(cfg.device)
     if data is None:
-        check_fits_memory(cfg.estimated_bytes(), f"this run of {cfg.data.clients} clients")
+        check_fits_memory(cfg.estimated_bytes(), f"this run of {cfg.data.clients} clients", str(device))
     data = (data if data is not None else build_federated_data(cfg)).to(device)
     graph = build_graph(cfg.topology, data.num_clients, cfg.seed)
     model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, device)

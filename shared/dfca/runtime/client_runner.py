@@ -178,7 +178,7 @@ class ClientRunner:
             self.device = worker_device(spec.config.device, spec.device)
             if self._data is None:
                 check_fits_memory(spec.config.estimated_bytes(len(spec.clients)),
-                                  f"worker {spec.ordinal}'s {len(spec.clients)} clients")
+                                  f"worker {spec.ordinal}'s {len(spec.clients)} clients", str(self.device))
                 self._data = build_federated_data(spec.config).subset(spec.clients)
             self._data = self._data.to(self.device)
             self._run_with_recovery()
