@@ -49,9 +49,9 @@ def one_thread() -> None:
 
 def commit() -> str:
     """HEAD's short hash, with "+changes" when tracked files differ from it (what was measured is not that commit);
-    in a copy without git history (a GPU machine's), DFCA_COMMIT names the commit it was copied from."""
+    in a copy whose git history may be stale (a GPU machine's), DFCA_COMMIT names the commit it was copied from."""
     here = Path(__file__).resolve().parent
-    if not (here.parent / ".git").exists() and os.environ.get("DFCA_COMMIT"):
+    if os.environ.get("DFCA_COMMIT"):
         return os.environ["DFCA_COMMIT"] + " (copy)"
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,

@@ -74,8 +74,8 @@ def test_the_simulator_keeps_every_algorithm_on_its_device(algorithm: str, devic
     result = simulate(cfg)
     want = torch.device(device).type
     assert result.summary["device"].startswith(want)
-    state = result.algorithm.state()
-    assert state and all(t.device.type == want for t in state.values())
+    params = {name: t for name, t in result.algorithm.state().items() if name.startswith("params.")}
+    assert params and all(t.device.type == want for t in params.values())  # bookkeeping may stay on the CPU
     assert result.history[-1]["test_accuracy"] > 0.1  # it trained there (chance is 0.1)
 
 

@@ -85,7 +85,7 @@ def test_every_algorithm_the_schema_accepts_runs_the_same_on_both_drivers(algori
     cfg = config_for(algorithm).model_copy(update={"device": device})
     ctx = prepare(cfg)
     sim = simulate(cfg, data=ctx.data)
-    run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 3)
+    run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 3, device=device)
     for d in run.drivers:
         assert not d.stats.rejected and d.stats.timeouts == 0 and d.rounds_done == RoundSchedule(cfg).total_rounds
         for name, tensor in d.algorithm.state().items():

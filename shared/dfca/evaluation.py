@@ -68,5 +68,5 @@ def index_consistency(params: Params, adjacency: Tensor) -> float:
         a, b = src[lo : lo + chunk], dst[lo : lo + chunk]
         dots = sum(torch.bmm(v.index_select(0, a), v.index_select(0, b).transpose(1, 2)) for v in per_client)
         dist = norms[a].unsqueeze(2) + norms[b].unsqueeze(1) - 2 * dots  # [E, k, k] squared L2
-        consistent += int((dist.argmin(2) == torch.arange(k)).all(1).sum())
+        consistent += int((dist.argmin(2) == torch.arange(k, device=dist.device)).all(1).sum())
     return consistent / src.numel()
