@@ -121,7 +121,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, load_before: str
         n = f"{row['clients']:,}"
         if "refused" in row or "failed" in row:
             why = f"refused before allocating: {row['refused']}" if "refused" in row else f"failed: {row['failed']}"
-            lines.append(f"| {n} | – | – | – | – | {row['estimated_bytes'] / 2**30:.2f} GiB | – | – | – |")
+            estimate = f"{row['estimated_bytes'] / 2**30:.2f} GiB" if row.get("estimated_bytes") else "–"
+            lines.append(f"| {n} | – | – | – | – | {estimate} | – | – | – |")
             notes.append(f"N={n}: {why}")
             continue
         lines.append(
