@@ -190,7 +190,7 @@ def delete_queue(url: str, queue: str) -> None:
 def runtime_exchange(url: str, body: bytes, headers: dict[str, str], n: int, prefetch: int) -> float:
     """Seconds to move n messages through HostTransport over RabbitMQTransport (publish, receive, ack)."""
     experiment = f"bench{uuid.uuid4().hex[:8]}"
-    queue, key = topics.client_queue(experiment, 0, "worker-0"), topics.model_key(experiment, "worker-0", 1, 0)
+    queue, key = topics.worker_queue(experiment, "worker-0"), topics.model_key(experiment, "worker-0", 1, 0)
     declare_queue(url, queue, key)
     publisher = HostTransport(RabbitMQTransport(url, prefetch=prefetch, name="bench-pub"))
     consumer = HostTransport(RabbitMQTransport(url, prefetch=prefetch, name="bench-sub"))

@@ -57,8 +57,8 @@ def allowed(regex: str, name: str) -> bool:
 def test_each_principal_may_touch_its_own_names_and_no_one_elses() -> None:
     exp, dep = "e1x", "d0123456789"
     w0, w1 = permissions_of("worker-0"), permissions_of("worker-1")
-    own_queues = [topics.client_queue(exp, 3, "worker-0"), topics.worker_control_queue(dep, 0)]
-    others = [topics.client_queue(exp, 4, "worker-1"), topics.worker_control_queue(dep, 1),
+    own_queues = [topics.worker_queue(exp, "worker-0"), topics.worker_control_queue(dep, 0)]
+    others = [topics.worker_queue(exp, "worker-1"), topics.worker_control_queue(dep, 1),
               topics.server_queue(exp), topics.events_queue(dep, "topology"), topics.DEAD_LETTER_QUEUE]
     for queue in own_queues:
         assert all(allowed(r, queue) for r in (w0.configure, w0.write, w0.read)), queue
@@ -76,7 +76,7 @@ def test_each_principal_may_touch_its_own_names_and_no_one_elses() -> None:
     assert not allowed(events_write, topics.metrics_key(exp, "experiment"))
     topology = permissions_of(principals.TOPOLOGY)
     assert allowed(topology.write, topics.CONTROL_EXCHANGE) and not allowed(topology.write, topics.MODELS_EXCHANGE)
-    anyones = (topics.client_queue(exp, 4, "worker-1"), topics.server_queue(exp), topics.events_queue(dep, "topology"))
+    anyones = (topics.worker_queue(exp, "worker-1"), topics.server_queue(exp), topics.events_queue(dep, "topology"))
     assert all(allowed(topology.configure, q) for q in anyones)
     metrics = permissions_of(principals.METRICS)
     assert not allowed(metrics.write, topics.METRICS_EXCHANGE) and allowed(metrics.read, topics.METRICS_EXCHANGE)
@@ -145,9 +145,9 @@ pytestmark = [pytest.mark.rabbitmq]
 def test_the_broker_refuses_what_a_worker_may_not_do(principal_urls: dict[str, str],
                                                      as_worker_1: RabbitMQTransport, unique_id: str) -> None:
     with RabbitMQTransport(principal_urls["topology"], name="topology") as topology:
-        ensure_broker_topology(topology)  # the topology service's user declares exchanges and any client queue
-        theirs = topics.client_queue(unique_id, 0, "worker-0")
-        topology.declare_queue(theirs, topics.DEAD_LETTER_EXCHANGE, topics.CLIENT_QUEUE_LIMITS)
+        ensure_broker_topology(topology)  # the topology service's user declares exchanges and any worker's queue
+        theirs = topics.worker_queue(unique_id, "worker-0")
+        topology.declare_queue(theirs, topics.DEAD_LETTER_EXCHANGE, topics.MODEL_QUEUE_LIMITS)
         topology.bind(theirs, topics.MODELS_EXCHANGE, topics.neighbour_binding(unique_id, 1))
     forger = as_worker_1
     ensure_broker_topology(forger)  # refused (403) and tolerated: the exchanges are there
@@ -167,7 +167,7 @@ def test_the_broker_refuses_what_a_worker_may_not_do(principal_urls: dict[str, s
     # another worker's queue: consume, delete, declare
     refused(lambda: forger.receive(theirs, 1.0))
     refused(lambda: forger.delete_queue(theirs))
-    refused(lambda: forger.declare_queue(topics.client_queue(unique_id, 3, "worker-0")))
+    refused(lambda: forger.declare_queue(topics.worker_queue(unique_id + "b", "worker-0")))
     refused(lambda: forger.declare_exchange("dfca.mine"))
     # its own client's model is accepted, and arrives with the broker-proven publisher
     forger.publish(topics.MODELS_EXCHANGE, topics.model_key(unique_id, "worker-1", 1, 0), b"mine")
@@ -215,10 +215,11 @@ def test_a_run_on_per_principal_users_ignores_a_compromised_worker_and_survives_
         for part in range(2):
             forger.publish(topics.MODELS_EXCHANGE, topics.model_key(experiment, "worker-1", 0, part), b"forged")
         # a junk flood under worker 1's own clients' keys: the broker lets it through, the receivers see who sent
-        # it and cut those clients off after BLOCK_AFTER_INVALID malformed messages each
-        for _ in range(2 * BLOCK_AFTER_INVALID):
-            for client in clients_of(1, WORKERS, 24):
-                forger.publish(topics.MODELS_EXCHANGE, topics.model_key(experiment, "worker-1", client, 0), b"junk")
+        # it and cut those clients off after BLOCK_AFTER_INVALID malformed messages each in one round (a flood: the
+        # messages go over together; a worker's queue gets each once, whichever of its clients hear the sender)
+        junk = [(topics.MODELS_EXCHANGE, topics.model_key(experiment, "worker-1", client, 0), b"junk", None)
+                for _ in range(2 * BLOCK_AFTER_INVALID) for client in clients_of(1, WORKERS, 24)]
+        forger.publish_many(junk)
 
         api.wait_round(experiment, 3)
         private_rabbitmq.stop()

@@ -309,7 +309,8 @@ def test_a_checkpoint_taken_mid_seeding_resumes_to_the_same_seeds(tmp_path: Path
 
     def drivers() -> LockstepRun:  # on a fresh broker each time: the restart starts from the checkpoints alone
         factory = transport_factory()
-        return LockstepRun([client_driver(cfg, "mid", g, ctx.data.subset(g), graph, factory()) for g in groups], None)
+        return LockstepRun([client_driver(cfg, "mid", g, ctx.data.subset(g), graph, factory(), workers=2)
+                            for g in groups], None)
 
     first = drivers()
     for t in range(4):  # slot 0 (rounds 0-2) and the first round of slot 1
@@ -352,7 +353,8 @@ def test_every_algorithm_over_rabbitmq_ends_where_the_simulator_ends(algorithm: 
         assert (sum(d.stats.published for d in run.everyone) > 0) == (algorithm != "local")  # it went over the broker
     finally:
         cleanup = connections[0] if connections else None
-        for queue in [topics.server_queue(unique_id), *(topics.client_queue(unique_id, c, W0) for c in range(10))]:
+        workers = [topics.worker_queue(unique_id, f"worker-{h}") for h in range(2)]
+        for queue in [topics.server_queue(unique_id), *workers]:
             if cleanup is not None:
                 cleanup.delete_queue(queue)
         for c in connections:

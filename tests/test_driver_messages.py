@@ -36,7 +36,12 @@ def build_drivers(cfg: ExperimentConfig, broker: InMemoryBroker, count: int) -> 
     graph = neighbours(ctx.graph)
     n = ctx.data.num_clients
     groups = [list(range(h, n, count)) for h in range(count)]
-    return [client_driver(cfg, "robust", g, ctx.data.subset(g), graph, InMemoryTransport(broker)) for g in groups], ctx
+    return [client_driver(cfg, "robust", g, ctx.data.subset(g), graph, InMemoryTransport(broker), workers=count)
+            for g in groups], ctx
+
+
+def host(client: int, workers: int) -> str:
+    return f"worker-{client % workers}"
 
 
 def gossip(sender: int, k: int, shapes: dict[str, tuple[int, ...]], fill: float) -> tuple[Envelope, Spec]:
@@ -59,7 +64,8 @@ def test_threaded_drivers_with_noise_match_the_simulator() -> None:
     k = cfg.clusters
     junk, spec = gossip(sender, k, shapes, 0.0)
     body, headers = encode_message(junk, spec)
-    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", W0, sender + 1, 0), body, headers)  # spoofed
+    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", host(sender + 1, 3), sender + 1, 0), body,
+                     headers)  # spoofed: the body says it is `sender`'s
     nan, _ = gossip(sender, k, shapes, float("nan"))
     body, headers = encode_message(nan, spec)
     injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", W0, sender, 0), body, headers)
@@ -80,8 +86,8 @@ def test_threaded_drivers_with_noise_match_the_simulator() -> None:
         th.join(120)
     assert not errors and not any(th.is_alive() for th in threads)
     rejected = sum((d.stats.rejected for d in drivers), start=Counter())
-    receivers = sum(1 for d in drivers for c in d.ids if sender in d.neighbours[c])
-    receivers_spoof = sum(1 for d in drivers for c in d.ids if sender + 1 in d.neighbours[c])
+    receivers = sum(1 for d in drivers if sender in d.heard())  # a worker checks a message once for its clients
+    receivers_spoof = sum(1 for d in drivers if sender + 1 in d.heard())
     assert rejected["non_finite"] == receivers and rejected["spoofed"] == receivers_spoof
     steps = sum(RoundSchedule(cfg).gossip_steps(t) for t in range(cfg.rounds))
     assert sum(d.stats.applied for d in drivers) == steps * int(ctx.adjacency.sum())
@@ -101,17 +107,18 @@ def test_duplicate_and_stale_gossip_messages_are_not_mixed_twice() -> None:
         d.begin_round(0)
         d.start_exchange(0)
     # b's step-0 messages delivered twice: a copy of a message in a's queue is published again
-    queue = a.queues[row]
     first = []
-    while (msg := a.transport.receive(queue, 0.0)) is not None:
+    while (msg := a.transport.receive(a.queue, 0.0)) is not None:
         first.append(msg)
-        a.handle(row, msg)
-    peer_msg = next(m for m in first if m.routing_key == topics.model_key("robust", W0, peer, 0))
+        a.handle(msg)
+    peer_msg = next(m for m in first if m.routing_key == topics.model_key("robust", host(peer, 2), peer, 0))
     applied = a.stats.applied
+    hearing = len(a.hearing[peer])  # a's clients that neighbour the peer: each would have mixed it
+    assert row in a.hearing[peer]
     a.transport.publish(topics.MODELS_EXCHANGE, peer_msg.routing_key, peer_msg.body, peer_msg.headers)
-    while (msg := a.transport.receive(queue, 0.0)) is not None:
-        a.handle(row, msg)
-    assert a.stats.duplicates == 1 and a.stats.applied == applied
+    while (msg := a.transport.receive(a.queue, 0.0)) is not None:
+        a.handle(msg)
+    assert a.stats.duplicates == hearing and a.stats.applied == applied
     for d in (a, b):
         assert d.collect(5.0)
         d.end_exchange()
@@ -119,10 +126,10 @@ def test_duplicate_and_stale_gossip_messages_are_not_mixed_twice() -> None:
     a.seen.clear()
     a.transport.publish(topics.MODELS_EXCHANGE, peer_msg.routing_key, peer_msg.body, peer_msg.headers)
     a.start_exchange(1)
-    while (msg := a.transport.receive(queue, 0.0)) is not None:
+    while (msg := a.transport.receive(a.queue, 0.0)) is not None:
         if msg.headers.get("step") == "0":
-            a.handle(row, msg)
-    assert a.stats.stale_dropped == 1
+            a.handle(msg)
+    assert a.stats.stale_dropped == hearing
 
 
 def test_gossip_step_times_out_without_a_neighbour() -> None:
@@ -181,15 +188,14 @@ def test_a_proven_sender_flooding_junk_is_cut_off_and_no_longer_waited_for(prove
     a.begin_round(0)
     a.start_exchange(0)
     rows = [r for r, c in enumerate(a.ids) if peer in a.neighbours[c]]
-    for r in rows:
-        while (msg := a.transport.receive(a.queues[r], 0.0)) is not None:
-            a.handle(r, msg)
-    assert a.stats.rejected["bad_header"] == flood * len(rows)
+    while (msg := a.transport.receive(a.queue, 0.0)) is not None:
+        a.handle(msg)
+    assert a.stats.rejected["bad_header"] == flood  # one delivery to the worker, however many of its clients hear it
     assert (peer in a.blocked, a.stats.blocked) == ((True, 1) if proven else (False, 0))
-    assert all((peer in a.waiting[r]) != proven for r in rows)
+    assert rows and all((peer in a.waiting[r]) != proven for r in rows)
     forger.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", "worker-1", peer, 0), b"more junk", {})
-    delivered = [a.transport.receive(a.queues[r], 0.0) for r in rows]
-    assert all((m is None) == proven for m in delivered)  # cut off: the broker routes nothing more to us
+    delivered = a.transport.receive(a.queue, 0.0)
+    assert (delivered is None) == proven  # cut off: the broker routes nothing more to us
 
 
 @pytest.mark.parametrize("proven", [True, False], ids=["per-principal users", "shared user"])
@@ -198,7 +204,6 @@ def test_a_proven_sender_flooding_copies_of_a_valid_message_is_cut_off(proven: b
     are duplicates, and past BLOCK_AFTER_INVALID of them in a round the sender is cut off where publishers are
     proven (a repeat the broker redelivers itself does not count)."""
     a, peer, forger = worker_0_and_forger(proven)
-    row = next(r for r, c in enumerate(a.ids) if peer in a.neighbours[c])
     shapes = a.algorithm.ctx.model.shapes()
     envelope = Envelope("robust", peer, 0, "models", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
     body, headers = encode_message(envelope, {n: TensorSpec(s) for n, s in shapes.items()})
@@ -206,8 +211,8 @@ def test_a_proven_sender_flooding_copies_of_a_valid_message_is_cut_off(proven: b
     a.start_exchange(0)
     for _ in range(message_driver.BLOCK_AFTER_INVALID + 5):
         forger.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", "worker-1", peer, 0), body, headers)
-        while (msg := a.transport.receive(a.queues[row], 0.0)) is not None:
-            a.handle(row, msg)
+        while (msg := a.transport.receive(a.queue, 0.0)) is not None:
+            a.handle(msg)
     assert a.stats.duplicates >= message_driver.BLOCK_AFTER_INVALID - 1 or peer in a.blocked
     assert (peer in a.blocked) == proven and a.stats.rejected.total() == 0
 
@@ -221,24 +226,28 @@ def test_a_message_redelivered_after_a_restart_is_a_duplicate_not_merged_again(t
     graph = neighbours(ctx.graph)
     groups = [list(range(0, 10, 2)), list(range(1, 10, 2))]
     broker = InMemoryBroker()
-    a, b = (client_driver(cfg, "robust", g, ctx.data.subset(g), graph, InMemoryTransport(broker)) for g in groups)
+    a, b = (client_driver(cfg, "robust", g, ctx.data.subset(g), graph, InMemoryTransport(broker), workers=2)
+            for g in groups)
     lockstep_round(LockstepRun([a, b], None), 0)
     a.save_checkpoint(tmp_path / "a.safetensors")
     again_broker = InMemoryBroker()
-    again = client_driver(cfg, "robust", groups[0], ctx.data.subset(groups[0]), graph, InMemoryTransport(again_broker))
+    again = client_driver(cfg, "robust", groups[0], ctx.data.subset(groups[0]), graph, InMemoryTransport(again_broker),
+                          workers=2)
     assert again.load_checkpoint(tmp_path / "a.safetensors") == 0
     row, client = next((r, c) for r, c in enumerate(again.ids) if any(m in groups[1] for m in again.neighbours[c]))
     peer = next(m for m in again.neighbours[client] if m in groups[1])
     part = int(b.algorithm.assigned[b.ids.index(peer)])  # what the peer sent in round 0
     shapes = again.algorithm.ctx.model.shapes()
     redelivered = Envelope("robust", peer, 0, "models", 0, part, {n: torch.zeros(s) for n, s in shapes.items()})
-    InMemoryTransport(again_broker).publish(topics.MODELS_EXCHANGE, topics.model_key("robust", W0, peer, part),
+    key = topics.model_key("robust", host(peer, 2), peer, part)
+    InMemoryTransport(again_broker).publish(topics.MODELS_EXCHANGE, key,
                                             *encode_message(redelivered, {n: TensorSpec(s) for n, s in shapes.items()}))
     again.begin_round(1)
     again.start_exchange(0)
-    while (msg := again.transport.receive(again.queues[row], 0.0)) is not None:
-        again.handle(row, msg)
-    assert (again.stats.duplicates, again.stats.stale_merged) == (1, 0)
+    while (msg := again.transport.receive(again.queue, 0.0)) is not None:
+        again.handle(msg)
+    assert row in again.hearing[peer]
+    assert (again.stats.duplicates, again.stats.stale_merged) == (len(again.hearing[peer]), 0)
 
 
 def test_a_message_of_an_exchange_its_round_does_not_have_is_rejected() -> None:
@@ -248,13 +257,14 @@ def test_a_message_of_an_exchange_its_round_does_not_have_is_rejected() -> None:
     forged = Envelope("robust", peer, 0, "gossip", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
     body, headers = encode_message(forged, spec)  # a paper-rule round has no gossip step
     injector = InMemoryTransport(broker)
-    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", W0, peer, 0), body, headers)
+    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", host(peer, 2), peer, 0), body, headers)
     future = Envelope("robust", peer, 99, "models", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
-    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", W0, peer, 0), *encode_message(future, spec))
+    injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", host(peer, 2), peer, 0),
+                     *encode_message(future, spec))
     a.begin_round(0)
     a.start_exchange(0)
-    while (msg := a.transport.receive(a.queues[row], 0.0)) is not None:
-        a.handle(row, msg)
+    while (msg := a.transport.receive(a.queue, 0.0)) is not None:
+        a.handle(msg)
     assert a.stats.rejected == Counter({"exchange": 1, "round": 1}) and a.stats.applied == 0
 
 
@@ -268,13 +278,16 @@ def test_models_far_in_the_future_are_rejected_and_repeats_are_held_once() -> No
     ahead = message_driver.MAX_ROUNDS_AHEAD
     for t in [1, 1, 1, ahead, ahead + 1, 35, 35]:
         forged = Envelope("robust", peer, t, "models", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
-        injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", W0, peer, 0), *encode_message(forged, spec))
+        injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", host(peer, 2), peer, 0),
+                         *encode_message(forged, spec))
     a.begin_round(0)
     a.start_exchange(0)
-    while (msg := a.transport.receive(a.queues[row], 0.0)) is not None:
-        a.handle(row, msg)
-    assert a.stats.rejected == Counter({"future_round": 3}) and a.stats.duplicates == 2
-    assert sorted(d.envelope.round for d in a.held) == [1, ahead]
+    while (msg := a.transport.receive(a.queue, 0.0)) is not None:
+        a.handle(msg)
+    hearing = a.hearing[peer]  # every hosted client that neighbours the peer holds its own copy
+    assert row in hearing and a.stats.rejected == Counter({"future_round": 3})
+    assert a.stats.duplicates == 2 * len(hearing)
+    assert sorted((d.envelope.round, d.row) for d in a.held) == sorted((t, r) for t in (1, ahead) for r in hearing)
 
 
 # -- the running average's memory bound ----------------------------------------------------------------------
@@ -287,9 +300,11 @@ def peak_decoded_models(degree: int, aggregation: str, monkeypatch: pytest.Monke
     ctx = prepare(cfg)
     graph = {0: list(range(1, degree + 1)), **{c: [0] for c in range(1, degree + 1)}}
     broker = InMemoryBroker()
-    centre = client_driver(cfg, "star", [0], ctx.data.subset([0]), graph, InMemoryTransport(broker))
+    centre = client_driver(cfg, "star", [0], ctx.data.subset([0]), graph, InMemoryTransport(broker),
+                           queue=topics.worker_queue("star", "worker-0"))
     others = list(range(1, degree + 1))
-    rest = client_driver(cfg, "star", others, ctx.data.subset(others), graph, InMemoryTransport(broker))
+    rest = client_driver(cfg, "star", others, ctx.data.subset(others), graph, InMemoryTransport(broker),
+                         queue=topics.worker_queue("star", "worker-1"))  # two queues: the centre is not c % workers
     alive: list[weakref.ref[torch.Tensor]] = []
     peak = 0
     decode = message_driver.decode_message
@@ -328,18 +343,20 @@ def test_a_client_with_200_neighbours_holds_no_more_model_copies_than_one_with_1
 
 
 def test_a_message_fanned_out_to_several_hosted_clients_is_decoded_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A star whose centre's neighbours all live on one worker: the centre's model reaches each of their queues, and
-    the worker decodes it once for all of them (and folds it into each); a copy whose body differs from the decoded
-    one (same key and headers) is decoded on its own and rejected."""
+    """A star whose centre's neighbours all live on one worker: the centre's model reaches that worker's queue once,
+    and the worker decodes it once for all of them (and folds it into each); a copy whose body differs from the
+    decoded one (same key and headers) is decoded on its own and rejected."""
     degree = 6
     cfg = small_config(rounds=1, dfca={"variant": "paper"}, train={"local_epochs": 0},
                        data={"clients": degree + 1, "train_per_client": 5, "test_per_client": 2})
     ctx = prepare(cfg)
     graph = {0: list(range(1, degree + 1)), **{c: [0] for c in range(1, degree + 1)}}
     broker = InMemoryBroker()
-    centre = client_driver(cfg, "star", [0], ctx.data.subset([0]), graph, InMemoryTransport(broker))
+    centre = client_driver(cfg, "star", [0], ctx.data.subset([0]), graph, InMemoryTransport(broker),
+                           queue=topics.worker_queue("star", "worker-0"))
     others = list(range(1, degree + 1))
-    rest = client_driver(cfg, "star", others, ctx.data.subset(others), graph, InMemoryTransport(broker))
+    rest = client_driver(cfg, "star", others, ctx.data.subset(others), graph, InMemoryTransport(broker),
+                         queue=topics.worker_queue("star", "worker-1"))  # two queues: the centre is not c % workers
     senders: Counter[int] = Counter()
     decode = message_driver.decode_message
 

@@ -192,7 +192,10 @@ def test_edge_changes_rebind_and_reach_workers_with_an_effective_round(client: T
     client.post(f"/experiments/{experiment}:start", headers=AUTH)
     probe.commands()
     before = client.get(f"/experiments/{experiment}/topology").json()
-    u, v = next((a, b) for a in range(9) for b in range(a + 1, 9) if [a, b] not in before["edges"])
+    heard = {host_of(w, 3): {m for c in clients_of(w, 3, 9) for m in before["neighbours"][str(c)]} for w in range(3)}
+    # a new edge whose u's worker heard nothing from v before: its queue must be bound to v now
+    u, v = next((a, b) for a in range(9) for b in range(a + 1, 9)
+                if [a, b] not in before["edges"] and b not in heard[host_of(a, 3)] and before["edges"][0] != [a, b])
     removed = before["edges"][0]
     changed = client.post(f"/experiments/{experiment}/edges", json={"add": [[u, v]], "remove": [removed]},
                           headers=AUTH)
@@ -202,10 +205,10 @@ def test_edge_changes_rebind_and_reach_workers_with_an_effective_round(client: T
     (change,) = probe.commands()
     assert isinstance(change, TopologyChange) and change.version == after["version"] and change.effective_round == 2
     assert v in change.neighbours[u] and u in change.neighbours[v]
-    # the new edge's queues are bound at once: a model from v reaches u's queue
+    # the new edge's queue is bound at once: a model from v reaches the queue of u's worker
     transport = InMemoryTransport(broker)
     transport.publish(topics.MODELS_EXCHANGE, topics.model_key(experiment, host_of(v, 3), v, 0), b"x", {})
-    assert transport.receive(topics.client_queue(experiment, u, host_of(u, 3))) is not None
+    assert transport.receive(topics.worker_queue(experiment, host_of(u, 3))) is not None
     bad = client.post(f"/experiments/{experiment}/edges", json={"add": [[3, 3]]}, headers=AUTH)
     assert bad.status_code == 422
 

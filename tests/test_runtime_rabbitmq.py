@@ -39,7 +39,7 @@ from runtime_fixtures import (
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from dfca import topics
+from dfca import principals, topics
 from dfca.config import ExperimentConfig
 from dfca.graph import build_graph
 from dfca.models import build_model
@@ -311,15 +311,15 @@ def cpu_seconds(pid: int) -> float:
 
 
 def queues_of(url: str, experiment: str) -> list[str]:
-    """The experiment's client queues that still exist (a passive declare of each hosted client's queue)."""
+    """The experiment's worker queues that still exist (a passive declare of each worker's queue)."""
     left = []
     connection = pika.BlockingConnection(pika.URLParameters(url))
     try:
-        for client in range(24):
+        for ordinal in range(WORKERS):
             channel = connection.channel()
             try:
-                channel.queue_declare(topics.client_queue(experiment, client, host_of(client, WORKERS)), passive=True)
-                left.append(str(client))
+                channel.queue_declare(topics.worker_queue(experiment, principals.worker(ordinal)), passive=True)
+                left.append(str(ordinal))
                 channel.close()
             except pika.exceptions.ChannelClosedByBroker:
                 pass

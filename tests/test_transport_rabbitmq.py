@@ -225,7 +225,7 @@ def test_survives_a_broker_restart(private_rabbitmq: RabbitMQNode, unique_id: st
         # The node booted broker/definitions.json: the dfca exchanges exist without declaring them.
         transport.publish(topics.MODELS_EXCHANGE, "nobody.listens", b"")
         ensure_broker_topology(transport)
-        queue = topics.client_queue(unique_id, 1, W0)
+        queue = topics.worker_queue(unique_id, W0)
         transport.declare_queue(queue, dead_letter_exchange=topics.DEAD_LETTER_EXCHANGE)
         transport.bind(queue, topics.MODELS_EXCHANGE, topics.experiment_binding(unique_id))
 
@@ -268,7 +268,7 @@ def test_redeclares_its_topology_on_a_broker_that_lost_it(
     node = private_rabbitmq
     transport = RabbitMQTransport(node.url, name="topology-test")
     try:
-        exchange, queue = f"{unique_id}.own", topics.client_queue(unique_id, 2, W0)
+        exchange, queue = f"{unique_id}.own", topics.worker_queue(unique_id, W0)
         transport.declare_exchange(exchange, "topic")
         transport.declare_queue(queue)
         transport.bind(queue, exchange, topics.neighbour_binding(unique_id, 5))

@@ -79,13 +79,13 @@ def _exact(name: str) -> str:
     return re.escape(name)
 
 
-def client_queues(host: str) -> str:
-    """Every experiment's queues of the clients `host` hosts (topics.client_queue)."""
-    return rf"dfca\.{WORD}\.{re.escape(host)}\.client\.{NUMBER}"
+def worker_queues(host: str) -> str:
+    """Every experiment's queue of the worker `host` (topics.worker_queue)."""
+    return rf"dfca\.{WORD}\.{re.escape(host)}\.inbox"
 
 
 SERVER_QUEUES = rf"dfca\.{WORD}\.server"  # topics.server_queue
-ALL_CLIENT_QUEUES = rf"dfca\.{WORD}\.worker-{NUMBER}\.client\.{NUMBER}"
+ALL_WORKER_QUEUES = rf"dfca\.{WORD}\.worker-{NUMBER}\.inbox"
 EXCHANGES = tuple(_exact(name) for name in topics.EXCHANGES)
 MODELS, CONTROL, EVENTS, DLX = (_exact(topics.MODELS_EXCHANGE), _exact(topics.CONTROL_EXCHANGE),
                                 _exact(topics.METRICS_EXCHANGE), _exact(topics.DEAD_LETTER_EXCHANGE))
@@ -116,7 +116,7 @@ def worker_event_keys(ordinal: int) -> str:
 def permissions_of(principal: str) -> Permissions:
     if principal == principals.TOPOLOGY:
         own = _own_queue("events-topology")
-        queues = (own, ALL_CLIENT_QUEUES, SERVER_QUEUES, _exact(topics.DEAD_LETTER_QUEUE))
+        queues = (own, ALL_WORKER_QUEUES, SERVER_QUEUES, _exact(topics.DEAD_LETTER_QUEUE))
         return Permissions(
             configure=_any(*EXCHANGES, *queues),
             write=_any(CONTROL, EVENTS, DLX, *queues),
@@ -139,7 +139,7 @@ def permissions_of(principal: str) -> Permissions:
     if match is None:
         raise ValueError(f"{principal!r} is not a principal")
     ordinal = int(match.group(1))
-    own = (_worker_control_queue(ordinal), client_queues(principal))
+    own = (_worker_control_queue(ordinal), worker_queues(principal))
     model_keys = rf"{WORD}\.{re.escape(principal)}\.{NUMBER}\.{NUMBER}"
     return Permissions(
         configure=_any(*own), write=_any(MODELS, EVENTS, DLX, *own), read=_any(MODELS, CONTROL, *own),

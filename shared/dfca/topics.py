@@ -4,10 +4,11 @@ Algorithm messages go to the topic exchange `dfca.models` with the routing key
 `<experiment_id>.<host>.<sender_client_id>.<cluster_id>`: `host` is the principal that hosts the sender
 (`worker-<i>`, or `aggregator` with `server` in place of the client id for a central role; see
 `dfca.principals`), so a broker topic permission can let a worker publish only its own clients' keys.
-A client's queue (`dfca.<experiment_id>.<host>.client.<client_id>`, named after its host so that a
-worker's permissions cover only its own queues) binds to `<experiment_id>.*.<neighbour_id>.*` for each
-current neighbour (and to `<experiment_id>.aggregator.server.*` when its algorithm has a server), so
-routing is keyed by sender and cluster id.
+A worker has one queue per experiment (`dfca.<experiment_id>.<host>.inbox`, named after the worker so that
+its permissions cover only its own queues), bound to `<experiment_id>.*.<neighbour_id>.*` for every current
+neighbour of any client it hosts (and to `<experiment_id>.aggregator.server.*` when its algorithm has a
+server), so routing is keyed by sender and cluster id: the broker delivers each message to a worker once,
+and the worker's message driver hands it to every hosted client that neighbours its sender.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ DEAD_LETTER_QUEUE = "dfca.dead-letter"
 
 # Every queue is bounded (QueueLimits: past the bound the oldest message is dropped, dead-lettered where the
 # queue has a dead-letter exchange), so a flood cannot fill the broker.
-# A client's queue: a backlog of many rounds of a restarted worker's neighbours fits; it is deleted 6 hours
-# after its last consumer went away, so the queues of a finished experiment do not stay.
-CLIENT_QUEUE_LIMITS = QueueLimits(max_length=20_000, max_bytes=2 << 30, expires_s=6 * 3600)
+# A worker's queue of models (and the central role's): a backlog of many rounds of a restarted worker's
+# neighbours fits; it is deleted 6 hours after its last consumer went away, so the queues of a finished
+# experiment do not stay.
+MODEL_QUEUE_LIMITS = QueueLimits(max_length=200_000, max_bytes=16 << 30, expires_s=6 * 3600)
 # The services' and workers' control and event queues.
 SERVICE_QUEUE_LIMITS = QueueLimits(max_length=100_000, max_bytes=512 << 20)
 # The dead-letter queue keeps the last rejected messages for inspection, for an hour.
@@ -105,9 +107,9 @@ def experiment_binding(experiment: str) -> str:
     return f"{check_word(experiment, 'experiment id')}.#"
 
 
-def client_queue(experiment: str, client: int, host: str) -> str:
-    """The queue of `client`, hosted by principal `host` (`principals.host_of`)."""
-    return f"dfca.{check_word(experiment, 'experiment id')}.{check_word(host, 'host')}.client.{int(client)}"
+def worker_queue(experiment: str, host: str) -> str:
+    """The queue of the models that reach the clients hosted by principal `host` (`principals.host_of`)."""
+    return f"dfca.{check_word(experiment, 'experiment id')}.{check_word(host, 'host')}.inbox"
 
 
 def server_queue(experiment: str) -> str:

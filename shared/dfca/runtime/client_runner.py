@@ -85,13 +85,14 @@ def checkpoint_path(checkpoint_dir: Path, experiment: str, ordinal: int) -> Path
     return checkpoint_dir / experiment / f"{ordinal}.safetensors"
 
 
-def prefetch_for(neighbours: dict[int, list[int]], messages_per_round: int = 1) -> int:
-    """Per-queue prefetch: room for several rounds of the largest neighbourhood (acks wait for checkpoints).
+def prefetch_for(neighbours: dict[int, list[int]], clients: list[int], messages_per_round: int = 1) -> int:
+    """The worker queue's prefetch: room for several rounds of messages from every sender that a hosted client
+    neighbours (acks wait for checkpoints).
 
     `messages_per_round`: messages a neighbour sends per round (robust DFCA: one per gossip step).
     """
-    degree = max((len(v) for v in neighbours.values()), default=1)
-    return max(64, 8 * degree * max(1, messages_per_round))
+    heard = {m for c in clients for m in neighbours.get(c, ())}
+    return max(64, 8 * max(1, len(heard)) * max(1, messages_per_round))
 
 
 @dataclass
@@ -219,7 +220,7 @@ class ClientRunner:
         assert data is not None
         schedule = RoundSchedule(cfg)
         steps = max((schedule.gossip_steps(t) for t in range(schedule.total_rounds)), default=0)
-        transport = HostTransport(self.connect(prefetch_for(spec.neighbours, steps)))
+        transport = HostTransport(self.connect(prefetch_for(spec.neighbours, spec.clients, steps)))
         self._transport = transport
         if self._stop.is_set():
             transport.interrupt()
@@ -279,13 +280,12 @@ class ClientRunner:
         return True
 
     def _leave(self, driver: MessageDriver, transport: HostTransport) -> None:
-        """The experiment is over: delete this worker's client queues (a reconnect may have declared them again
-        after the topology service deleted them) and its checkpoint."""
-        for name in driver.queues:
-            try:
-                transport.delete_queue(name)
-            except TransportError as err:
-                log.debug("could not delete %s: %s", name, err)
+        """The experiment is over: delete this worker's queue (a reconnect may have declared it again after the
+        topology service deleted it) and its checkpoint."""
+        try:
+            transport.delete_queue(driver.queue)
+        except TransportError as err:
+            log.debug("could not delete %s: %s", driver.queue, err)
         self.checkpoint.unlink(missing_ok=True)
         self._report("stopped", detail="the experiment ended while this worker was away")
 
@@ -321,7 +321,7 @@ class ClientRunner:
                 break
 
     def _apply_control(self, driver: MessageDriver, t: int) -> None:
-        """Topology changes due by round t: rebind each client's queue to its new neighbours."""
+        """Topology changes due by round t: rebind the worker's queue to its clients' new neighbours."""
         while True:
             try:
                 change = self._inbox.get_nowait()

@@ -25,7 +25,7 @@ from dfca import topics
 from dfca.algorithms import SERVERS
 from dfca.config import ExperimentConfig
 from dfca.graph import build_graph
-from dfca.principals import host_of
+from dfca.principals import host_of, worker
 from dfca.runtime.event_consumer import QueueConsumer
 from dfca.runtime.experiments import DONE_STATES, HEARTBEAT_S, RUNTIME_ALGORITHMS, ExperimentRecord
 from dfca.runtime.messages import (
@@ -243,16 +243,22 @@ class Coordinator:
         """The central role's queue, bound to every client's uploads: they wait there until the aggregator's role
         has started (workers may not declare it: dfca.broker_users)."""
         queue = topics.server_queue(record.id)
-        self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.CLIENT_QUEUE_LIMITS)
+        self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.MODEL_QUEUE_LIMITS)
         for client in range(record.num_clients):
             self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(record.id, client))
 
     def _bind_new_edges(self, record: ExperimentRecord, before: dict[int, list[int]],
                         after: dict[int, list[int]]) -> None:
+        """Bind each worker's queue to the clients its clients newly neighbour, before any worker switches to the new
+        graph, so that nothing a new neighbour sends from the effective round on is lost."""
+        heard: dict[str, set[int]] = {}
         for client, neighbours in after.items():
-            for m in set(neighbours) - set(before[client]):
-                queue = topics.client_queue(record.id, client, host_of(client, record.workers))
-                self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.CLIENT_QUEUE_LIMITS)
+            heard.setdefault(host_of(client, record.workers), set()).update(set(neighbours) - set(before[client]))
+        for host, new in heard.items():
+            queue = topics.worker_queue(record.id, host)
+            if new:
+                self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.MODEL_QUEUE_LIMITS)
+            for m in sorted(new):
                 self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(record.id, m))
 
     # -- events and ticks --------------------------------------------------------------------------------
@@ -304,11 +310,11 @@ class Coordinator:
                              extra={"experiment": record.id})
 
     def _delete_queues(self, record: ExperimentRecord) -> None:
-        for client in range(record.num_clients):
+        for ordinal in range(record.workers):
             try:
-                self.transport.delete_queue(topics.client_queue(record.id, client, host_of(client, record.workers)))
+                self.transport.delete_queue(topics.worker_queue(record.id, worker(ordinal)))
             except Exception as err:  # a queue that never existed, or a broker hiccup: harmless
-                log.debug("could not delete the queue of client %d: %s", client, err)
+                log.debug("could not delete the queue of worker %d: %s", ordinal, err)
 
     # -- publishing and persistence -------------------------------------------------------------------
     def _control(self, command: StartCommand | GoCommand | StopCommand | TopologyChange) -> None:

@@ -28,25 +28,27 @@ Graph = Mapping[int, Sequence[int]]
 
 
 def client_driver(cfg: ExperimentConfig, experiment: str, clients: Sequence[int], data: FederatedData, graph: Graph,
-                  transport: Transport, device: str = "cpu", workers: int = 1) -> MessageDriver:
-    """A driver of `clients` (data: their shards) over `transport`, its queues set up; `workers`: client c is
-    hosted by worker c % workers (its routing keys and queue names say so)."""
+                  transport: Transport, device: str = "cpu", workers: int = 1,
+                  queue: str | None = None) -> MessageDriver:
+    """A driver of `clients` (data: their shards) over `transport`, its queue set up; `workers`: client c is
+    hosted by worker c % workers (its routing keys and queue name say so); `queue`: a name of its own where the
+    drivers do not split the clients that way (by default, its worker's queue)."""
     model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, device)
     ctx = HostContext(cfg, model, data.to(device), list(clients), {c: list(m) for c, m in graph.items()},
                       torch.device(device))
-    driver = MessageDriver(clients_of(ctx), experiment, transport, workers=workers)
+    driver = MessageDriver(clients_of(ctx), experiment, transport, workers=workers, queue=queue)
     driver.setup()
     return driver
 
 
 def server_driver(cfg: ExperimentConfig, experiment: str, data: FederatedData, transport: Transport,
-                  device: str = "cpu") -> MessageDriver | None:
-    """The central role's driver, for an algorithm that has one."""
+                  device: str = "cpu", workers: int = 1) -> MessageDriver | None:
+    """The central role's driver, for an algorithm that has one (`workers`: as the clients' drivers have it)."""
     model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, device)
     server = server_of(HostContext(cfg, model, None, [SERVER], {}, torch.device(device)))
     if server is None:
         return None
-    driver = MessageDriver(server, experiment, transport)
+    driver = MessageDriver(server, experiment, transport, workers=workers)
     driver.setup()
     return driver
 
@@ -91,8 +93,9 @@ def run_lockstep(
     """Run `cfg` with its clients split over `hosts` drivers (client c on driver c % hosts), in lockstep."""
     n = data.num_clients
     groups = [list(range(h, n, hosts)) for h in range(hosts)]
-    drivers = [client_driver(cfg, experiment, g, data.subset(g), graph, transport_factory(), device) for g in groups]
-    run = LockstepRun(drivers, server_driver(cfg, experiment, data, transport_factory(), device))
+    drivers = [client_driver(cfg, experiment, g, data.subset(g), graph, transport_factory(), device, workers=hosts)
+               for g in groups]
+    run = LockstepRun(drivers, server_driver(cfg, experiment, data, transport_factory(), device, hosts))
     for t in range(RoundSchedule(cfg).total_rounds):
         lockstep_round(run, t)
     return run

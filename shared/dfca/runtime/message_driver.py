@@ -1,8 +1,10 @@
 """Driver 2, the message driver: one side of an algorithm, for the rows it hosts, over a Transport.
 
 It runs the simulator's algorithm objects (dfca.algorithms) unchanged and owns everything around them:
-- queues: one per hosted client, bound to its neighbours' keys and/or the server's (the algorithm's
-  `links`); a central role has one queue, bound to every client's keys;
+- queues: one per driver (a worker's, topics.worker_queue), bound to the keys of every neighbour of a hosted client
+  and/or the server's (the algorithm's `links`); the broker delivers each message to a worker once, and the driver
+  hands it to every hosted row whose client neighbours the sender (a fan-out the driver settles with one ack); a
+  central role has one queue, bound to every client's keys;
 - each exchange of a round: publish every hosted row's message, collect until every expected sender's
   messages arrived or the deadline passed (`runtime.round_timeout` x the exchange's `wait`; counted from
   the first arrival where the exchange `needs_arrival`), close it;
@@ -13,17 +15,17 @@ It runs the simulator's algorithm objects (dfca.algorithms) unchanged and owns e
   the broker-proven publisher must be that principal (dfca.principals), else `publisher` is counted;
 - cut-off: where publishers are proven, a sender whose host sent BLOCK_AFTER_INVALID malformed messages, or as many
   repeats of messages already used (a flood of well-formed copies; the broker's own redeliveries do not count),
-  under its key in one round is unbound from every hosted queue for the rest of the run and no longer waited for
+  under its key in one round is unbound from the driver's queue for the rest of the run and no longer waited for
   (`blocked`): the broker stops delivering what it sends;
 - dedupe: a message is used at most once per (receiver, sender, round, exchange, step, part);
 - order: a message of a later exchange is held (unacknowledged, each identity once) until its exchange opens;
   one more than MAX_ROUNDS_AHEAD rounds ahead of the receiver is rejected and counted (`future_round`),
   so forged rounds cannot pile up in memory. Messages of the open exchange are folded as they arrive
-  (`aggregation: sequential`: DFCA's running average, eq. 8): what has arrived at the hosted queues is taken
-  together, at most FOLD_BATCH distinct messages, each decoded once however many hosted clients it was
-  delivered to, and folded as one inbox, so a worker holds O(k |theta|) however many neighbours its clients
-  have; in an exchange whose messages are averaged, they are held and folded in sender order when the
-  exchange closes (`batch`, eq. 7). One of an earlier exchange is stale:
+  (`aggregation: sequential`: DFCA's running average, eq. 8): what has arrived at the driver's queue is taken
+  together, at most FOLD_BATCH messages, each decoded once however many hosted clients it reaches, and folded
+  as one inbox, so a worker holds O(k |theta|) however many neighbours its clients have; in an exchange whose
+  messages are averaged, they are held and folded in sender order when the exchange closes (`batch`, eq. 7).
+  One of an earlier exchange is stale:
   folded into the open exchange one round later if that exchange has its name and takes stale messages
   and `runtime.staleness` is merge, else dropped;
 - liveness (runtime.liveness): a client that missed its messages in consecutive rounds is presumed dead and
@@ -71,8 +73,8 @@ KEEP_GOING_EVERY_S = 0.25  # how often a waiting driver asks whether to go on
 # Malformed messages from one proven sender in one round after which it is cut off. An honest client sends a few
 # valid messages per round and never a malformed one; a flood sends thousands.
 BLOCK_AFTER_INVALID = 20
-# Distinct messages taken from the hosted queues and folded together (one inbox, one decode per message however many
-# hosted clients it reached): bounds what a worker holds decoded at once, whatever its clients' degrees.
+# Distinct messages taken from the driver's queue and folded together (one inbox, one decode per message however many
+# hosted clients it reaches): bounds what a worker holds decoded at once, whatever its clients' degrees.
 FOLD_BATCH = 16
 Identity = tuple[int, int, int, str, int, int]  # receiver, sender, round, exchange, step, part
 # Where a round's time goes (DriverStats.seconds, cumulative): train = the algorithm's begin_round (assignment and
@@ -106,17 +108,29 @@ class DriverStats:
         return out
 
 
+@dataclass(eq=False)
+class Unsettled:
+    """One message handed to several hosted rows: it is acknowledged when the last of them is done with it."""
+
+    message: Message
+    rows: int
+    repeat_counted: bool = False  # a repeat counts once against its sender, however many rows it reached
+
+
 @dataclass
 class Delivery:
     row: int
     message: Message
     envelope: Envelope
+    fanout: Unsettled
 
 
 class MessageDriver:
     def __init__(self, algorithm: Algorithm, experiment: str, transport: Transport,
-                 keep_going: Callable[[], bool] | None = None, workers: int = 1) -> None:
-        """`workers`: how many workers share the experiment's clients (client c on worker c % workers)."""
+                 keep_going: Callable[[], bool] | None = None, workers: int = 1, queue: str | None = None) -> None:
+        """`workers`: how many workers share the experiment's clients (client c on worker c % workers). `queue`: the
+        driver's queue, by default its worker's (topics.worker_queue) or the central role's; lockstep setups whose
+        drivers do not split the clients as c % workers name one each."""
         self.algorithm, self.transport, self.keep_going = algorithm, transport, keep_going
         self.experiment = topics.check_word(experiment, "experiment id")
         ctx = algorithm.ctx
@@ -124,8 +138,8 @@ class MessageDriver:
         self.workers = workers
         self.publishers = principals.PublisherCheck(transport.user)
         self.ids = list(ctx.clients)
-        self.queues = ([topics.server_queue(experiment)] if self.side == "server"
-                       else [topics.client_queue(experiment, c, self.host_of(c)) for c in self.ids])
+        self.queue = queue or (topics.server_queue(experiment) if self.side == "server"
+                               else topics.worker_queue(experiment, self.host_of(self.ids[0])))
         self.model_dtype = PAYLOAD_DTYPES[self.cfg.runtime.payload_dtype]
         self.round, self.index, self.rounds_done = -1, -1, 0
         self.exchanges: list[Exchange] = []
@@ -139,13 +153,15 @@ class MessageDriver:
         self.dead: set[int] = set()  # presumed dead at the start of this round
         self.sightings: dict[int, int] = {}  # sender -> the latest round heard from it
         self.invalid: Counter[int] = Counter()  # sender -> malformed messages under its key this round
-        self.blocked: set[int] = set()  # senders cut off: unbound from every hosted queue
+        self.blocked: set[int] = set()  # senders cut off: unbound from the driver's queue
+        self.hearing: dict[int, list[int]] = {}  # sender -> the hosted rows whose client neighbours it (_index_graph)
         self.liveness = NeighbourLiveness()
         self.stats = DriverStats()
         self.counted_refusals: Counter[str] = Counter()  # the algorithm's refusals already in stats.rejected
         self.bytes_sent = 0  # what the hosted clients sent (wire.message_bytes) since `take_bytes_sent`, per receiver
         self.opened_at, self.first_arrival = 0.0, None  # of the open exchange
         self._next_check = 0.0
+        self._index_graph()
 
     def host_of(self, sender: int) -> str:
         """The principal hosting `sender`."""
@@ -156,22 +172,32 @@ class MessageDriver:
         """The hosted clients' current neighbours."""
         return {c: sorted(self.algorithm.ctx.graph.get(c, ())) for c in self.ids}
 
+    def heard(self) -> set[int]:
+        """Every sender a hosted client neighbours: the keys the driver's queue is bound to."""
+        return {m for c in self.ids for m in self.algorithm.ctx.graph.get(c, ())}
+
+    def _index_graph(self) -> None:
+        """sender -> the hosted rows that hear it, for the fan-out of what arrives (blocked senders heard by none)."""
+        self.hearing = {}
+        for row, client in enumerate(self.ids):
+            for m in self.algorithm.ctx.graph.get(client, ()):
+                if m not in self.blocked:
+                    self.hearing.setdefault(m, []).append(row)
+
     # -- wiring -----------------------------------------------------------------------------------------
     def setup(self) -> None:
-        """Declare the exchanges and the hosted rows' queues, and bind them to whom the algorithm hears."""
+        """Declare the exchanges and the driver's queue, and bind it to whom the algorithm hears."""
         ensure_broker_topology(self.transport)
-        for queue in self.queues:
-            self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.CLIENT_QUEUE_LIMITS)
+        self.transport.declare_queue(self.queue, topics.DEAD_LETTER_EXCHANGE, topics.MODEL_QUEUE_LIMITS)
         if self.side == "server":
             self._bind_uploads(range(self.cfg.data.clients))
             return
         links = self.algorithm.links
-        for client, queue in zip(self.ids, self.queues, strict=True):
-            if "neighbours" in links:
-                for m in self.algorithm.ctx.graph.get(client, ()):
-                    self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, m))
-            if "server" in links:
-                self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.server_binding(self.experiment))
+        if "neighbours" in links:
+            for m in sorted(self.heard()):
+                self.transport.bind(self.queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, m))
+        if "server" in links:
+            self.transport.bind(self.queue, topics.MODELS_EXCHANGE, topics.server_binding(self.experiment))
         # The server's queue, where uploads wait until the central role has started, is the topology service's
         # to declare at :start (Coordinator._declare_server_queue) and the central role's own.
 
@@ -181,15 +207,25 @@ class MessageDriver:
             self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, c))
 
     def set_graph(self, graph: Graph) -> None:
-        """A topology change (the whole new graph): rebind each hosted client's queue, tell the algorithm."""
+        """A topology change (the whole new graph): rebind the driver's queue, tell the algorithm."""
         if "neighbours" in self.algorithm.links and self.side == "clients":
-            for client, queue in zip(self.ids, self.queues, strict=True):
-                old, new = set(self.algorithm.ctx.graph.get(client, ())), set(graph.get(client, ()))
-                for m in old - new:
-                    self.transport.unbind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, m))
-                for m in new - old - self.blocked:
-                    self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, m))
+            old, new = self.heard(), {m for c in self.ids for m in graph.get(c, ())}
+            for m in sorted(old - new):
+                self.transport.unbind(self.queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, m))
+            for m in sorted(new - old - self.blocked):
+                self.transport.bind(self.queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, m))
         self.algorithm.set_graph({int(c): [int(m) for m in ms] for c, ms in graph.items()})
+        self._index_graph()
+
+    def rows_hearing(self, sender: int, ex: Exchange) -> list[int]:
+        """The hosted rows that `sender` may send a message of `ex` (the rows whose `sources` hold it)."""
+        if ex.receiver != self.side:
+            return []
+        if ex.sender == "server":
+            return list(range(len(self.ids))) if sender == SERVER else []
+        if self.side == "server":
+            return [0] if 0 <= sender < self.cfg.data.clients and sender not in self.blocked else []
+        return self.hearing.get(sender, [])
 
     def sources(self, row: int, ex: Exchange) -> set[int]:
         """Who may send row `row` a message of `ex`."""
@@ -289,10 +325,9 @@ class MessageDriver:
             if deadline is not None and now >= deadline:
                 break
             self._check_keep_going(now)
-            rows = [r for r, w in enumerate(self.waiting) if w]
             wait = 0.05 if deadline is None else min(0.05, deadline - now)
-            if (got := self.transport.receive_any([self.queues[r] for r in rows], wait)) is not None:
-                self.handle(rows[got[0]], got[1])  # woken by the first arrival on any waiting row's queue
+            if (message := self.transport.receive(self.queue, wait)) is not None:
+                self.handle(message)  # woken by the first arrival
         with self.timed("receive"):
             self._fold_ready()
         missing = {m for w in self.waiting for m in w}
@@ -329,33 +364,25 @@ class MessageDriver:
         self.seen = {i for i in self.seen if i[2] >= self.round}  # older ones are stale, never applied again
 
     # -- messages -------------------------------------------------------------------------------------------
-    def _arrived(self) -> list[tuple[int, Message]]:
-        """What waits in the queues of the rows still waiting, without blocking: one message of each queue in turn
-        (copies of one message to several hosted rows come together), until FOLD_BATCH distinct messages."""
-        arrived: list[tuple[int, Message]] = []
-        distinct: set[tuple[str, str]] = set()
-        rows = [r for r, w in enumerate(self.waiting) if w]
-        while rows and len(distinct) < FOLD_BATCH:
-            still = []
-            for r in rows:
-                if (message := self.transport.receive(self.queues[r], 0.0)) is not None:
-                    arrived.append((r, message))
-                    distinct.add((message.routing_key, str(message.headers.get("sha256"))))
-                    still.append(r)
-            rows = still
+    def _arrived(self) -> list[Message]:
+        """What waits in the driver's queue, without blocking, up to FOLD_BATCH messages."""
+        arrived: list[Message] = []
+        while len(arrived) < FOLD_BATCH and (message := self.transport.receive(self.queue, 0.0)) is not None:
+            arrived.append(message)
         return arrived
 
-    def handle(self, row: int, message: Message) -> None:
-        """Check one message delivered to row `row`'s queue, then fold, hold, drop or reject it."""
-        self.handle_many([(row, message)])
+    def handle(self, message: Message) -> None:
+        """Check one message delivered to the driver's queue, then fold, hold, drop or reject it for each hosted row
+        that hears its sender."""
+        self.handle_many([message])
 
-    def handle_many(self, arrived: list[tuple[int, Message]]) -> None:
-        """Check messages delivered to the hosted rows' queues ([(row, message)]), then fold (together), hold, drop
-        or reject each. Copies of one message (the broker's fan-out to several hosted clients) are decoded once."""
+    def handle_many(self, arrived: list[Message]) -> None:
+        """Check messages delivered to the driver's queue, then fold (together), hold, drop or reject each for the
+        hosted rows that hear its sender. Copies of one message (a repeat) are decoded once."""
         with self.timed("receive"):
             decoded: dict[tuple[str, str], tuple[bytes, Envelope]] = {}
-            for row, message in arrived:
-                self._handle(row, message, decoded)
+            for message in arrived:
+                self._handle(message, decoded)
             self._fold_ready()
 
     def _decode(self, message: Message, decoded: dict[tuple[str, str], tuple[bytes, Envelope]]) -> Envelope:
@@ -368,28 +395,43 @@ class MessageDriver:
         decoded[key] = (message.body, envelope)
         return envelope
 
-    def _handle(self, row: int, message: Message, decoded: dict[tuple[str, str], tuple[bytes, Envelope]]) -> None:
+    def _handle(self, message: Message, decoded: dict[tuple[str, str], tuple[bytes, Envelope]]) -> None:
         if not self.from_senders_host(message):
             self.stats.rejected["publisher"] += 1
             log.warning("rejected message %s for %s: published by %r, not by its sender's host", message.routing_key,
-                        self.queues[row], message.publisher)
+                        self.queue, message.publisher)
             self.transport.reject(message, requeue=False)
             return
         try:
             envelope = self._decode(message, decoded)
         except PayloadRejected as err:
             self.stats.rejected[err.reason] += 1
-            log.warning("rejected message %s for %s: %s", message.routing_key, self.queues[row], err)
+            log.warning("rejected message %s for %s: %s", message.routing_key, self.queue, err)
             self.transport.reject(message, requeue=False)  # to the dead-letter exchange
             self._count_invalid(message)
             return
         self.sightings[envelope.sender] = max(envelope.round, self.sightings.get(envelope.sender, envelope.round))
         _, ex = self.exchange_of(envelope)
-        if envelope.sender not in self.sources(row, ex) or ex.receiver != self.side:
+        rows = self.rows_hearing(envelope.sender, ex)
+        if not rows:
             self.stats.not_neighbour += 1
             self.transport.ack(message)
             return
-        self._route(Delivery(row, message, envelope))
+        if envelope.round > self.round + MAX_ROUNDS_AHEAD:
+            self.stats.rejected["future_round"] += 1
+            log.warning("rejected a message of round %d from %d at round %d: more than %d rounds ahead",
+                        envelope.round, envelope.sender, self.round, MAX_ROUNDS_AHEAD)
+            self.transport.reject(message, requeue=False)
+            return
+        fanout = Unsettled(message, len(rows))
+        for row in rows:
+            self._route(Delivery(row, message, envelope, fanout))
+
+    def _settle(self, delivery: Delivery) -> None:
+        """Row `delivery.row` is done with its message; the message is acknowledged once every row it reached is."""
+        delivery.fanout.rows -= 1
+        if delivery.fanout.rows == 0:
+            self.transport.ack(delivery.message)
 
     def _count_invalid(self, message: Message) -> None:
         """A malformed message, or a repeat the broker did not redeliver, whose sender's host is proven counts against
@@ -408,12 +450,17 @@ class MessageDriver:
         if self.invalid[sender] >= BLOCK_AFTER_INVALID:
             self.block(sender)
 
+    def _count_repeat(self, delivery: Delivery) -> None:
+        if not delivery.fanout.repeat_counted:
+            delivery.fanout.repeat_counted = True
+            self._count_invalid(delivery.message)
+
     def block(self, sender: int) -> None:
-        """Cut `sender` off: unbind its keys from every hosted queue and stop waiting for it."""
+        """Cut `sender` off: unbind its keys from the driver's queue and stop waiting for it."""
         self.blocked.add(sender)
         self.stats.blocked += 1
-        for queue in self.queues:
-            self.transport.unbind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, sender))
+        self.transport.unbind(self.queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, sender))
+        self._index_graph()
         for waiting in self.waiting:
             waiting.pop(sender, None)
         log.warning("round %d: client %d (host %s) sent %d malformed or repeated messages: cut off for the rest of the "
@@ -435,22 +482,17 @@ class MessageDriver:
         identity = self.identity(delivery)
         if identity in self.seen:
             self.stats.duplicates += 1
-            self.transport.ack(delivery.message)
-            self._count_invalid(delivery.message)
+            self._settle(delivery)
+            self._count_repeat(delivery)
             return
         index, ex = self.exchange_of(envelope)
         here = (envelope.round, index)
         now = (self.round, self.index)
         if here > now:
-            if envelope.round > self.round + MAX_ROUNDS_AHEAD:
-                self.stats.rejected["future_round"] += 1
-                log.warning("rejected a message of round %d from %d at round %d: more than %d rounds ahead",
-                            envelope.round, envelope.sender, self.round, MAX_ROUNDS_AHEAD)
-                self.transport.reject(delivery.message, requeue=False)
-            elif identity in self.held_ids:
+            if identity in self.held_ids:
                 self.stats.duplicates += 1
-                self.transport.ack(delivery.message)
-                self._count_invalid(delivery.message)
+                self._settle(delivery)
+                self._count_repeat(delivery)
             else:
                 self.held_ids.add(identity)
                 self.held.append(delivery)
@@ -478,7 +520,7 @@ class MessageDriver:
             return
         self.stats.stale_dropped += 1
         self.seen.add(identity)
-        self.transport.ack(delivery.message)
+        self._settle(delivery)
 
     def _fold_ready(self) -> None:
         ready, self.ready = self.ready, []
@@ -523,7 +565,7 @@ class MessageDriver:
         self.stats.applied += used
         self.stats.ignored += max(len(chunk) - used, 0)
         for d in chunk:
-            self.transport.ack(d.message)
+            self._settle(d)
 
     def identity(self, delivery: Delivery) -> Identity:
         e = delivery.envelope
