@@ -4,16 +4,16 @@ Resource permissions (RabbitMQ's configure / write / read regular expressions ov
 and topic permissions (over routing keys on a topic exchange), derived from the names in dfca.topics:
 
 - topology: publishes control (any key) and `<exp>.experiment` events; consumes its events queue; declares
-  the exchanges, the dead-letter queue, every client queue (edges added during a run, deletion at the end)
+  the exchanges, the dead-letter queue, every worker's queue (edges added during a run, deletion at the end)
   and the server queues.
 - metrics: publishes nothing; consumes and declares its events queue and its dead-letter tap.
 - aggregator: publishes models keyed `<exp>.aggregator.server.<part>` and its presence; consumes and
   declares its control queue and the server queues.
 - worker-i: publishes models keyed `<exp>.worker-i.<client>.<part>`, its events and presence (not an
-  experiment's status); consumes and declares its control queue and the queues of the clients it hosts.
+  experiment's status); consumes and declares its control queue and its queue of models (topics.worker_queue).
 
 So a worker's credentials cannot publish a control command (no write on `dfca.control`), a model under another
-worker's host word, or an experiment's status; cannot consume, delete or redeclare another worker's client queues
+worker's host word, or an experiment's status; cannot consume, delete or redeclare another worker's queues
 or the server's queue; and cannot declare or delete exchanges. The broker also refuses a message whose `user_id`
 is not its publisher's user, so receivers know who published what (`Message.publisher`).
 
