@@ -70,16 +70,46 @@ def bench_config(rounds: int) -> dict[str, Any]:
 
 
 # -- 1. seconds per round -------------------------------------------------------------------------------------
-def simulator_round_seconds(cfg: dict[str, Any], repeats: int = 2) -> tuple[float, float]:
-    """The best of `repeats` runs (a shared machine is noisy; the best run is the baseline's favour)."""
+def simulator_round_seconds(cfg: dict[str, Any], repeats: int = 2) -> tuple[float, float, float]:
+    """The best of `repeats` runs (a shared machine is noisy; the best run is the baseline's favour): (seconds per
+    round, final accuracy, CPU seconds per round of that run, every thread of this process)."""
     config = ExperimentConfig.model_validate(cfg)
     data = build_federated_data(config)  # both sides get their data ready before the clock starts
-    best, accuracy = float("inf"), 0.0
+    best, accuracy, cpu = float("inf"), 0.0, 0.0
     for _ in range(repeats):
+        began = time.process_time()
         result = simulate(config, data=data)
-        best = min(best, statistics.mean(h["seconds"] for h in result.history[1:]))
+        seconds = statistics.mean(h["seconds"] for h in result.history[1:])
+        if seconds < best:
+            best, cpu = seconds, (time.process_time() - began) / len(result.history)
         accuracy = result.summary["test_accuracy"]
-    return best, accuracy
+    return best, accuracy, cpu
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process `pid` has used so far; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def broker_pids() -> list[int]:
+    """The RabbitMQ nodes' Erlang VMs on this machine (beam.smp)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"beam.smp" in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def cpu_of(groups: dict[str, list[int]]) -> dict[str, float]:
+    return {name: sum(cpu_seconds(pid) for pid in pids) for name, pids in groups.items()}
 
 
 def runtime_round_seconds(cfg: dict[str, Any], broker: str, state_dir: Path,
@@ -87,16 +117,18 @@ def runtime_round_seconds(cfg: dict[str, Any], broker: str, state_dir: Path,
                           during: Callable[[str], Callable[[], None]] | None = None) -> tuple[float, float]:
     """(steady-state seconds per round, final accuracy) of one runtime run; `broker_users`: each process its own
     broker user; `during(experiment)` starts something alongside the run and returns how to stop it."""
-    seconds, accuracy, _ = runtime_profile(cfg, broker, state_dir, broker_users, during)
+    seconds, accuracy, _, _ = runtime_profile(cfg, broker, state_dir, broker_users, during)
     return seconds, accuracy
 
 
 def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
                     during: Callable[[str], Callable[[], None]] | None = None
-                    ) -> tuple[float, float, dict[str, float]]:
-    """`runtime_round_seconds` and where a round's time goes: each phase's seconds per round (the message
-    driver's DriverStats.seconds, PHASES), mean over the workers."""
-    summary, reports = runtime_run(cfg, broker, state_dir, broker_users, during)
+                    ) -> tuple[float, float, dict[str, float], dict[str, float]]:
+    """`runtime_round_seconds`, where a round's time goes (each phase's seconds per round: the message driver's
+    DriverStats.seconds, PHASES, mean over the workers) and the CPU seconds per round of each group of processes
+    (`runtime_run`'s `cpu`)."""
+    cpu: dict[str, float] = {}
+    summary, reports = runtime_run(cfg, broker, state_dir, broker_users, during, cpu)
     done_at: dict[int, float] = {}
     last: dict[int, Any] = {}
     for report in reports:  # a round is done when its last worker reports it
@@ -106,12 +138,16 @@ def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_us
     rounds = sorted(done_at)
     phases = {p: statistics.mean(r.stats.get("seconds", {}).get(p, 0.0) / (r.round + 1) for r in last.values())
               for p in PHASES}
-    return (done_at[rounds[-1]] - done_at[rounds[0]]) / (len(rounds) - 1), summary["test_accuracy"], phases
+    per_round = {name: seconds / len(rounds) for name, seconds in cpu.items()}
+    return (done_at[rounds[-1]] - done_at[rounds[0]]) / (len(rounds) - 1), summary["test_accuracy"], phases, per_round
 
 
 def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
-                during: Callable[[str], Callable[[], None]] | None = None) -> tuple[dict[str, Any], list[Any]]:
-    """One run on a fresh 3-worker stack: (the metrics service's summary, the stored round reports)."""
+                during: Callable[[str], Callable[[], None]] | None = None, cpu: dict[str, float] | None = None
+                ) -> tuple[dict[str, Any], list[Any]]:
+    """One run on a fresh 3-worker stack: (the metrics service's summary, the stored round reports). `cpu`, if
+    given, receives the CPU seconds each group of processes used from the experiment's start to its end: the
+    workers, the other services (topology, metrics) and the RabbitMQ node(s) on this machine."""
     options = StackOptions(workers=3, broker_url=broker, topology_port=free_port(), metrics_port=free_port(),
                            worker_port_base=free_port_block(3), api_token=TOKEN, state_dir=state_dir, log_to_files=True,
                            log_level="WARNING", broker_users=broker_users)
@@ -124,6 +160,10 @@ def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users:
         api = httpx.Client(base_url=options.topology_url, headers={"Authorization": f"Bearer {TOKEN}"},
                            timeout=30)
         experiment = api.post("/experiments", json=cfg).raise_for_status().json()["id"]
+        groups = {"workers": [p.pid for p in stack.services.values() if p.service == "worker" and p.pid],
+                  "services": [p.pid for p in stack.services.values() if p.service != "worker" and p.pid],
+                  "broker": broker_pids()}
+        before = cpu_of(groups)
         api.post(f"/experiments/{experiment}:start").raise_for_status()
         halt = during(experiment) if during is not None else (lambda: None)
         try:
@@ -134,6 +174,8 @@ def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users:
                 time.sleep(0.5)
         finally:
             halt()
+        if cpu is not None:
+            cpu.update({name: used - before[name] for name, used in cpu_of(groups).items()})
         time.sleep(1.0)
         summary = httpx.get(f"{options.metrics_url}/experiments/{experiment}/summary", timeout=30,
                             headers={"Authorization": f"Bearer {TOKEN}"}).json()
@@ -293,14 +335,15 @@ def main() -> None:
         cfg = demo_config(args.rounds) if args.demo else bench_config(args.rounds)
         cfg["dfca"] = {**cfg.get("dfca", {}), "traffic": args.traffic}
         clients = ExperimentConfig.model_validate(cfg).data.clients
-        sim_s, sim_acc = simulator_round_seconds(cfg)
+        sim_s, sim_acc, sim_cpu = simulator_round_seconds(cfg)
         with tempfile.TemporaryDirectory() as tmp:
-            run_s, run_acc, phases = runtime_profile(cfg, args.broker, Path(tmp))
+            run_s, run_acc, phases, cpu = runtime_profile(cfg, args.broker, Path(tmp))
         rows.append((f"seconds per round ({clients} clients, 3 workers, traffic {args.traffic})", f"{run_s:.3f}",
                      f"{sim_s:.3f} (simulator)", f"{run_s / sim_s:.2f}x", "<= 1.25x"))
         rows.append(("final test accuracy", f"{run_acc:.4f}", f"{sim_acc:.4f} (simulator)", "", ""))
         record.update(clients=clients, runtime_round_seconds=run_s, simulator_round_seconds=sim_s,
-                      ratio=run_s / sim_s, runtime_accuracy=run_acc, simulator_accuracy=sim_acc, phases=phases)
+                      ratio=run_s / sim_s, runtime_accuracy=run_acc, simulator_accuracy=sim_acc, phases=phases,
+                      cpu_seconds_per_round={"simulator": sim_cpu, **cpu})
     for hidden in () if args.skip_exchange else (64, 200):
         runtime_rate, raw_rate, size = exchange_rates(args.broker, hidden, args.messages)
         rows.append((f"model exchange MB/s ({size / 1e3:.0f} kB payloads)", f"{runtime_rate:.1f}",
@@ -323,6 +366,11 @@ def main() -> None:
         for phase, seconds in phases.items():
             print(f"| {phase} | {seconds:.3f} | {seconds / total:.0%} |")
         print(f"| all | {total:.3f} | |")
+        print("\nCPU seconds per round (user + system; every round, the first included): the simulator "
+              f"{sim_cpu:.3f}; the runtime's workers {cpu['workers']:.3f}, its other services "
+              f"{cpu['services']:.3f}, the RabbitMQ node(s) on this machine {cpu['broker']:.3f}, together "
+              f"{sum(cpu.values()):.3f} = {sum(cpu.values()) / sim_cpu:.2f}x the simulator's, on "
+              f"{os.cpu_count()} cores")
     print(f"\nappended to {args.out} (commit {record['commit']}, load {record['load_before']:.2f} -> "
           f"{record['load_after']:.2f})")
 
