@@ -122,7 +122,10 @@ def test_int8_payload_is_a_quarter_and_its_scales_are_checked() -> None:
     row_max = message.tensors["w"].abs().amax(1, keepdim=True)
     assert bool(((got.tensors["w"] - message.tensors["w"]).abs() <= row_max / 254 + 1e-6).all())
     tensors = st_load(body8)
-    for bad, reason in ((-tensors["w#scale"], "non_finite"), (tensors["w#scale"][:3], "shape"),
+    nan_one, inf_one = tensors["w#scale"].clone(), tensors["w#scale"].clone()
+    nan_one[1], inf_one[2] = float("nan"), float("inf")
+    for bad, reason in ((-tensors["w#scale"], "non_finite"), (nan_one, "non_finite"), (inf_one, "non_finite"),
+                        (tensors["w#scale"][:3], "shape"),
                         (tensors["w#scale"].double(), "dtype")):
         forged, forged_headers = resigned({**tensors, "w#scale": bad}, message, big, torch.int8)
         assert rejected(lambda: decode(forged, forged_headers, big)) == reason  # noqa: B023

@@ -18,6 +18,7 @@ A message that fails raises `PayloadRejected`; callers count and dead-letter it 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -238,8 +239,10 @@ def _dequantized(name: str, codes: torch.Tensor, scale: torch.Tensor) -> torch.T
     if tuple(scale.shape) != tuple(codes.shape)[:-1]:
         raise PayloadRejected("shape", f"{name}{SCALE} has shape {tuple(scale.shape)}, expected "
                               f"{tuple(codes.shape)[:-1]}")
-    if not torch.isfinite(scale).all() or bool((scale < 0).any()):
-        raise PayloadRejected("non_finite", f"{name}{SCALE} holds a negative or non-finite scale")
+    if scale.numel():  # one reduction: NaN makes the least scale NaN (not >= 0), an infinity the largest
+        least, largest = (float(v) for v in torch.aminmax(scale))
+        if not (least >= 0.0 and math.isfinite(largest)):
+            raise PayloadRejected("non_finite", f"{name}{SCALE} holds a negative or non-finite scale")
     return dequantize(codes, scale)
 
 

@@ -79,6 +79,8 @@ class WorkerAgent:
         self.queue = worker_control_queue(deployment, ordinal)
         self.consumer = QueueConsumer(self.transport, self.queue, decode_control, self.handle, control_principal)
         self._threads: list[threading.Thread] = []
+        # one client for the status checks its runners make while they wait (a new one loads the CA bundle each time)
+        self._http = httpx.Client(timeout=5.0, headers=service_auth())
 
     def start(self) -> None:
         ensure_broker_topology(self.transport)
@@ -102,6 +104,7 @@ class WorkerAgent:
         for thread in self._threads:
             thread.join(2.0)
         self.transport.close()
+        self._http.close()
 
     # -- control ------------------------------------------------------------------------------------------
     def handle(self, command: StartCommand | GoCommand | StopCommand | TopologyChange) -> None:
@@ -179,8 +182,7 @@ class WorkerAgent:
     def _status(self, experiment: str) -> str | None:
         """The experiment's status per the topology service; None when it cannot be asked."""
         try:
-            response = httpx.get(f"{self.topology_url}/experiments/{experiment}", timeout=5.0,
-                                 headers=service_auth())
+            response = self._http.get(f"{self.topology_url}/experiments/{experiment}")
         except httpx.HTTPError:
             return None
         if response.status_code == 404:
