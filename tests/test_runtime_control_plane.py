@@ -12,10 +12,12 @@ from fastapi.testclient import TestClient
 
 from dfca import topics
 from dfca.config import ExperimentConfig
+from dfca.graph import neighbours
 from dfca.principals import host_of
 from dfca.runtime.coordinator import Coordinator
 from dfca.runtime.experiments import BARRIER_TIMEOUT_S, EventRefused, ExperimentRecord, dead_after
 from dfca.runtime.http_service import MAX_BODY_BYTES
+from dfca.runtime.lockstep import client_driver
 from dfca.runtime.messages import (
     GoCommand,
     PresenceEvent,
@@ -26,9 +28,13 @@ from dfca.runtime.messages import (
     WorkerEvent,
     decode_control,
 )
+from dfca.runtime.metrics_store import MetricsStore
 from dfca.runtime.sharding import assignment, clients_of
+from dfca.runtime.worker_agent import WorkerAgent
+from dfca.simulator import prepare
 from dfca.transport import InMemoryBroker, InMemoryTransport
 from dfca.transport.broker_setup import ensure_broker_topology
+from services.metrics.main import MetricsCollector
 from services.topology.main import create_app
 
 TOKEN = "t0ken"
@@ -343,3 +349,34 @@ def test_a_worker_done_before_a_topology_restart_is_not_presumed_dead_after_it(b
     again.tick()
     final = again.get(record.id)
     assert final.status == "completed" and final.failed_clients == []
+
+
+def test_every_queue_a_deployment_declares_is_deleted_once_its_consumers_are_gone(
+        client: TestClient, coordinator: Coordinator, broker: InMemoryBroker, tmp_path: Path) -> None:
+    """The topology and metrics services' event queues, the dead-letter tap, a worker's control queue and its queue
+    of models, and a central role's queue all carry an expiry (x-expires): on a shared broker a deployment that is
+    gone leaves nothing that goes on collecting later deployments' messages. Only the one shared dead-letter
+    queue stays."""
+    agent = WorkerAgent("dtest", 0, 3, lambda _prefetch: InMemoryTransport(broker), tmp_path / "checkpoints", None)
+    agent.start()
+    collector = MetricsCollector(InMemoryTransport(broker), MetricsStore(f"sqlite:///{tmp_path / 'metrics.db'}"),
+                                 "dtest")
+    collector.open()
+    try:
+        coordinator.aggregator_seen = coordinator.clock()  # an aggregator announced itself: IFCA may start
+        experiment = client.post("/experiments", json=small(algorithm="ifca"), headers=AUTH).json()["id"]
+        assert client.post(f"/experiments/{experiment}:start", headers=AUTH).status_code == 200
+        cfg = ExperimentConfig.model_validate(small())
+        ctx = prepare(cfg)
+        client_driver(cfg, experiment, clients_of(0, 3, 9), ctx.data.subset(clients_of(0, 3, 9)),
+                      neighbours(ctx.graph), InMemoryTransport(broker), workers=3)
+        declared = {name: queue.limits for name, queue in broker.queues.items()}
+    finally:
+        agent.shutdown(2.0)
+        collector.close()
+    expected = {topics.events_queue("dtest", "topology"), topics.events_queue("dtest", "metrics"),
+                topics.dead_letter_tap_queue("dtest"), topics.worker_control_queue("dtest", 0),
+                topics.worker_queue(experiment, "worker-0"), topics.server_queue(experiment)}
+    assert expected <= set(declared), sorted(declared)
+    lasting = {name for name, limits in declared.items() if limits is None or not limits.expires_s}
+    assert lasting == {topics.DEAD_LETTER_QUEUE}, lasting

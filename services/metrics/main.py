@@ -71,7 +71,7 @@ class MetricsCollector:
         ensure_broker_topology(self.transport)
         self.transport.declare_queue(self.events, topics.DEAD_LETTER_EXCHANGE, topics.SERVICE_QUEUE_LIMITS)
         self.transport.bind(self.events, topics.METRICS_EXCHANGE, ALL_EVENTS)
-        self.transport.declare_queue(self.dead_letters, limits=topics.DEAD_LETTER_LIMITS)
+        self.transport.declare_queue(self.dead_letters, limits=topics.DEAD_LETTER_TAP_LIMITS)
         self.transport.bind(self.dead_letters, topics.DEAD_LETTER_EXCHANGE, "")
         self.thread.start()
 

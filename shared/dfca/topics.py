@@ -32,10 +32,15 @@ DEAD_LETTER_QUEUE = "dfca.dead-letter"
 # neighbours fits; it is deleted 6 hours after its last consumer went away, so the queues of a finished
 # experiment do not stay.
 MODEL_QUEUE_LIMITS = QueueLimits(max_length=200_000, max_bytes=16 << 30, expires_s=6 * 3600)
-# The services' and workers' control and event queues.
-SERVICE_QUEUE_LIMITS = QueueLimits(max_length=100_000, max_bytes=512 << 20)
+# The services' and workers' control and event queues. Each is bound to every key of its exchange, so one that
+# outlived its deployment (a test's or a benchmark's stack, a renamed service) would collect every later
+# deployment's events on a shared broker for ever: it is deleted 6 hours after its last consumer went away
+# (a restarted service finds it again well before that).
+SERVICE_QUEUE_LIMITS = QueueLimits(max_length=100_000, max_bytes=512 << 20, expires_s=6 * 3600)
 # The dead-letter queue keeps the last rejected messages for inspection, for an hour.
 DEAD_LETTER_LIMITS = QueueLimits(max_length=10_000, max_bytes=256 << 20, message_ttl_s=3600)
+# A deployment's copy of the dead letters (the metrics service's tap), gone with its deployment as above.
+DEAD_LETTER_TAP_LIMITS = QueueLimits(max_length=10_000, max_bytes=256 << 20, message_ttl_s=3600, expires_s=6 * 3600)
 
 EXCHANGES: dict[str, str] = {
     MODELS_EXCHANGE: "topic",
