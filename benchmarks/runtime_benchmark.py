@@ -45,6 +45,7 @@ from dfca.runtime.host_transport import HostTransport
 from dfca.runtime.launcher import Stack, StackOptions
 from dfca.runtime.message_driver import PHASES
 from dfca.runtime.metrics_store import MetricsStore
+from dfca.schedule import RoundSchedule
 from dfca.settings import DEFAULT_BROKER_URL
 from dfca.simulator import simulate
 from dfca.transport import RabbitMQTransport
@@ -70,20 +71,33 @@ def bench_config(rounds: int) -> dict[str, Any]:
 
 
 # -- 1. seconds per round -------------------------------------------------------------------------------------
-def simulator_round_seconds(cfg: dict[str, Any], repeats: int = 2) -> tuple[float, float, float]:
+def simulator_round_seconds(cfg: dict[str, Any], repeats: int = 2
+                            ) -> tuple[float, float, float, dict[str, float]]:
     """The best of `repeats` runs (a shared machine is noisy; the best run is the baseline's favour): (seconds per
-    round, final accuracy, CPU seconds per round of that run, every thread of this process)."""
+    round, final accuracy, CPU seconds per round of that run, every thread of this process, and its seconds per
+    round of each kind, `round_kind`)."""
     config = ExperimentConfig.model_validate(cfg)
     data = build_federated_data(config)  # both sides get their data ready before the clock starts
-    best, accuracy, cpu = float("inf"), 0.0, 0.0
+    best, accuracy, cpu, by_phase = float("inf"), 0.0, 0.0, {}
     for _ in range(repeats):
         began = time.process_time()
         result = simulate(config, data=data)
         seconds = statistics.mean(h["seconds"] for h in result.history[1:])
         if seconds < best:
             best, cpu = seconds, (time.process_time() - began) / len(result.history)
+            spans: dict[str, list[float]] = {}
+            for h in result.history[1:]:  # h["round"] is the schedule's round + 1
+                spans.setdefault(round_kind(RoundSchedule(config), h["round"] - 1), []).append(h["seconds"])
+            by_phase = {kind: statistics.mean(seconds) for kind, seconds in spans.items()}
         accuracy = result.summary["test_accuracy"]
-    return best, accuracy, cpu
+    return best, accuracy, cpu, by_phase
+
+
+def round_kind(schedule: RoundSchedule, t: int) -> str:
+    """seeding, gossip (a training round with consensus steps) or merge (a training round without)."""
+    if schedule.phase(t) == "seeding":
+        return "seeding"
+    return "gossip" if schedule.gossip_steps(t) else "merge"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -117,16 +131,16 @@ def runtime_round_seconds(cfg: dict[str, Any], broker: str, state_dir: Path,
                           during: Callable[[str], Callable[[], None]] | None = None) -> tuple[float, float]:
     """(steady-state seconds per round, final accuracy) of one runtime run; `broker_users`: each process its own
     broker user; `during(experiment)` starts something alongside the run and returns how to stop it."""
-    seconds, accuracy, _, _ = runtime_profile(cfg, broker, state_dir, broker_users, during)
+    seconds, accuracy, _, _, _ = runtime_profile(cfg, broker, state_dir, broker_users, during)
     return seconds, accuracy
 
 
 def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
                     during: Callable[[str], Callable[[], None]] | None = None
-                    ) -> tuple[float, float, dict[str, float], dict[str, float]]:
+                    ) -> tuple[float, float, dict[str, float], dict[str, float], dict[str, float]]:
     """`runtime_round_seconds`, where a round's time goes (each phase's seconds per round: the message driver's
-    DriverStats.seconds, PHASES, mean over the workers) and the CPU seconds per round of each group of processes
-    (`runtime_run`'s `cpu`)."""
+    DriverStats.seconds, PHASES, mean over the workers), the CPU seconds per round of each group of processes
+    (`runtime_run`'s `cpu`) and the seconds per round of each kind (`round_kind`: seeding, merge, gossip)."""
     cpu: dict[str, float] = {}
     summary, reports = runtime_run(cfg, broker, state_dir, broker_users, during, cpu)
     done_at: dict[int, float] = {}
@@ -139,7 +153,13 @@ def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_us
     phases = {p: statistics.mean(r.stats.get("seconds", {}).get(p, 0.0) / (r.round + 1) for r in last.values())
               for p in PHASES}
     per_round = {name: seconds / len(rounds) for name, seconds in cpu.items()}
-    return (done_at[rounds[-1]] - done_at[rounds[0]]) / (len(rounds) - 1), summary["test_accuracy"], phases, per_round
+    schedule = RoundSchedule(ExperimentConfig.model_validate(cfg))
+    spans: dict[str, list[float]] = {}  # a report's round r is the schedule's round r - 1
+    for before, r in zip(rounds, rounds[1:], strict=False):
+        spans.setdefault(round_kind(schedule, r - 1), []).append(done_at[r] - done_at[before])
+    by_phase = {phase: statistics.mean(seconds) for phase, seconds in spans.items()}
+    return ((done_at[rounds[-1]] - done_at[rounds[0]]) / (len(rounds) - 1), summary["test_accuracy"], phases,
+            per_round, by_phase)
 
 
 def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
@@ -335,15 +355,19 @@ def main() -> None:
         cfg = demo_config(args.rounds) if args.demo else bench_config(args.rounds)
         cfg["dfca"] = {**cfg.get("dfca", {}), "traffic": args.traffic}
         clients = ExperimentConfig.model_validate(cfg).data.clients
-        sim_s, sim_acc, sim_cpu = simulator_round_seconds(cfg)
+        sim_s, sim_acc, sim_cpu, sim_by_phase = simulator_round_seconds(cfg)
         with tempfile.TemporaryDirectory() as tmp:
-            run_s, run_acc, phases, cpu = runtime_profile(cfg, args.broker, Path(tmp))
+            run_s, run_acc, phases, cpu, by_phase = runtime_profile(cfg, args.broker, Path(tmp))
         rows.append((f"seconds per round ({clients} clients, 3 workers, traffic {args.traffic})", f"{run_s:.3f}",
                      f"{sim_s:.3f} (simulator)", f"{run_s / sim_s:.2f}x", "<= 1.25x"))
         rows.append(("final test accuracy", f"{run_acc:.4f}", f"{sim_acc:.4f} (simulator)", "", ""))
+        for phase in sorted(by_phase.keys() & sim_by_phase.keys()):
+            rows.append((f"  of which {phase} rounds", f"{by_phase[phase]:.3f}", f"{sim_by_phase[phase]:.3f}",
+                         f"{by_phase[phase] / sim_by_phase[phase]:.2f}x", ""))
         record.update(clients=clients, runtime_round_seconds=run_s, simulator_round_seconds=sim_s,
                       ratio=run_s / sim_s, runtime_accuracy=run_acc, simulator_accuracy=sim_acc, phases=phases,
-                      cpu_seconds_per_round={"simulator": sim_cpu, **cpu})
+                      cpu_seconds_per_round={"simulator": sim_cpu, **cpu},
+                      seconds_by_schedule_phase={"runtime": by_phase, "simulator": sim_by_phase})
     for hidden in () if args.skip_exchange else (64, 200):
         runtime_rate, raw_rate, size = exchange_rates(args.broker, hidden, args.messages)
         rows.append((f"model exchange MB/s ({size / 1e3:.0f} kB payloads)", f"{runtime_rate:.1f}",
