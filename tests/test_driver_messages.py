@@ -198,6 +198,28 @@ def test_a_proven_sender_flooding_junk_is_cut_off_and_no_longer_waited_for(prove
     assert (delivered is None) == proven  # cut off: the broker routes nothing more to us
 
 
+def test_a_flood_of_junk_is_logged_a_few_lines_a_round_and_counted_in_full(caplog: pytest.LogCaptureFixture) -> None:
+    """Under a shared broker user nobody can be cut off: each junk message is rejected, counted in the stats, and
+    only the first LOGGED_REJECTIONS_PER_ROUND are logged one by one; one line at the round's end says how many
+    more there were (a flood must not flood the logs)."""
+    a, peer, forger = worker_0_and_forger(proven=False)
+    flood = 3 * message_driver.LOGGED_REJECTIONS_PER_ROUND
+    for _ in range(flood):
+        forger.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", "worker-1", peer, 0), b"junk", {})
+    a.begin_round(0)
+    a.start_exchange(0)
+    with caplog.at_level("WARNING", logger="dfca.runtime.message_driver"):
+        while (msg := a.transport.receive(a.queue, 0.0)) is not None:
+            a.handle(msg)
+        a.end_exchange()
+        a.end_round()
+    lines = [r.getMessage() for r in caplog.records]
+    assert a.stats.rejected["bad_header"] == flood
+    assert sum(line.startswith("rejected message") for line in lines) == message_driver.LOGGED_REJECTIONS_PER_ROUND
+    summary = f"{flood - message_driver.LOGGED_REJECTIONS_PER_ROUND} more rejected messages not logged"
+    assert sum(summary in line for line in lines) == 1
+
+
 @pytest.mark.parametrize("proven", [True, False], ids=["per-principal users", "shared user"])
 def test_a_proven_sender_flooding_copies_of_a_valid_message_is_cut_off(proven: bool) -> None:
     """Repeats of one well-formed model, published under worker 1's own client's key: the first is used, the repeats

@@ -76,6 +76,9 @@ BLOCK_AFTER_INVALID = 20
 # Distinct messages taken from the driver's queue and folded together (one inbox, one decode per message however many
 # hosted clients it reaches): bounds what a worker holds decoded at once, whatever its clients' degrees.
 FOLD_BATCH = 16
+# Warnings about rejected messages logged per round; the rest are counted (DriverStats.rejected) and summed up in one
+# line at the round's end, so a flood of junk cannot flood the logs (or spend a worker's time writing them).
+LOGGED_REJECTIONS_PER_ROUND = 10
 Identity = tuple[int, int, int, str, int, int]  # receiver, sender, round, exchange, step, part
 # Where a round's time goes (DriverStats.seconds, cumulative): train = the algorithm's begin_round (assignment and
 # local training); publish = send, encode and publish, and at the round's end awaiting the publisher confirms that
@@ -161,6 +164,8 @@ class MessageDriver:
         self.bytes_sent = 0  # what the hosted clients sent (wire.message_bytes) since `take_bytes_sent`, per receiver
         self.opened_at, self.first_arrival = 0.0, None  # of the open exchange
         self._next_check = 0.0
+        self.unlogged = 0  # rejections this round past LOGGED_REJECTIONS_PER_ROUND
+        self.logged = 0
         self._index_graph()
 
     def host_of(self, sender: int) -> str:
@@ -250,6 +255,7 @@ class MessageDriver:
     def begin_round(self, t: int) -> None:
         self.round, self.index, self.missed = t, -1, set()
         self.invalid.clear()
+        self.logged = 0
         revived = self.liveness.revive(self.sightings, t - 1)
         if revived:
             log.info("round %d: %s heard from again", t, revived)
@@ -357,6 +363,10 @@ class MessageDriver:
         with self.timed("mix"):
             self.algorithm.end_round(self.round)
         self.stats.screened = self.algorithm.screened
+        if self.unlogged:
+            log.warning("round %d: %d more rejected messages not logged one by one (see the rejected counts)",
+                        self.round, self.unlogged)
+            self.unlogged = 0
         expected = {m for r in range(len(self.ids)) for ex in self.exchanges if ex.receiver == self.side
                     for m in self.sources(r, ex)} - {SERVER}  # a central role is never presumed dead
         self.liveness.observe_round(expected - self.dead, self.missed - {SERVER})
@@ -398,15 +408,15 @@ class MessageDriver:
     def _handle(self, message: Message, decoded: dict[tuple[str, str], tuple[bytes, Envelope]]) -> None:
         if not self.from_senders_host(message):
             self.stats.rejected["publisher"] += 1
-            log.warning("rejected message %s for %s: published by %r, not by its sender's host", message.routing_key,
-                        self.queue, message.publisher)
+            self._warn("rejected message %s for %s: published by %r, not by its sender's host", message.routing_key,
+                       self.queue, message.publisher)
             self.transport.reject(message, requeue=False)
             return
         try:
             envelope = self._decode(message, decoded)
         except PayloadRejected as err:
             self.stats.rejected[err.reason] += 1
-            log.warning("rejected message %s for %s: %s", message.routing_key, self.queue, err)
+            self._warn("rejected message %s for %s: %s", message.routing_key, self.queue, err)
             self.transport.reject(message, requeue=False)  # to the dead-letter exchange
             self._count_invalid(message)
             return
@@ -419,13 +429,21 @@ class MessageDriver:
             return
         if envelope.round > self.round + MAX_ROUNDS_AHEAD:
             self.stats.rejected["future_round"] += 1
-            log.warning("rejected a message of round %d from %d at round %d: more than %d rounds ahead",
-                        envelope.round, envelope.sender, self.round, MAX_ROUNDS_AHEAD)
+            self._warn("rejected a message of round %d from %d at round %d: more than %d rounds ahead",
+                       envelope.round, envelope.sender, self.round, MAX_ROUNDS_AHEAD)
             self.transport.reject(message, requeue=False)
             return
         fanout = Unsettled(message, len(rows))
         for row in rows:
             self._route(Delivery(row, message, envelope, fanout))
+
+    def _warn(self, text: str, *args: Any) -> None:
+        """Log a rejection, or count it once this round's LOGGED_REJECTIONS_PER_ROUND are logged."""
+        if self.logged < LOGGED_REJECTIONS_PER_ROUND:
+            self.logged += 1
+            log.warning(text, *args)
+        else:
+            self.unlogged += 1
 
     def _settle(self, delivery: Delivery) -> None:
         """Row `delivery.row` is done with its message; the message is acknowledged once every row it reached is."""
