@@ -85,10 +85,8 @@ def simulator_round_seconds(cfg: dict[str, Any], repeats: int = 2
         seconds = statistics.mean(h["seconds"] for h in result.history[1:])
         if seconds < best:
             best, cpu = seconds, (time.process_time() - began) / len(result.history)
-            spans: dict[str, list[float]] = {}
-            for h in result.history[1:]:  # h["round"] is the schedule's round + 1
-                spans.setdefault(round_kind(RoundSchedule(config), h["round"] - 1), []).append(h["seconds"])
-            by_phase = {kind: statistics.mean(seconds) for kind, seconds in spans.items()}
+            rounds = [(h["round"] - 1, h["seconds"]) for h in result.history[1:]]  # a record's round: t + 1
+            by_phase = seconds_by_kind(RoundSchedule(config), rounds)
         accuracy = result.summary["test_accuracy"]
     return best, accuracy, cpu, by_phase
 
@@ -98,6 +96,14 @@ def round_kind(schedule: RoundSchedule, t: int) -> str:
     if schedule.phase(t) == "seeding":
         return "seeding"
     return "gossip" if schedule.gossip_steps(t) else "merge"
+
+
+def seconds_by_kind(schedule: RoundSchedule, rounds: list[tuple[int, float]]) -> dict[str, float]:
+    """Mean seconds of the rounds of each kind (`round_kind`); `rounds`: (the schedule's round, its seconds)."""
+    spans: dict[str, list[float]] = {}
+    for t, seconds in rounds:
+        spans.setdefault(round_kind(schedule, t), []).append(seconds)
+    return {kind: statistics.mean(seconds) for kind, seconds in spans.items()}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -153,11 +159,9 @@ def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_us
     phases = {p: statistics.mean(r.stats.get("seconds", {}).get(p, 0.0) / (r.round + 1) for r in last.values())
               for p in PHASES}
     per_round = {name: seconds / len(rounds) for name, seconds in cpu.items()}
-    schedule = RoundSchedule(ExperimentConfig.model_validate(cfg))
-    spans: dict[str, list[float]] = {}  # a report's round r is the schedule's round r - 1
-    for before, r in zip(rounds, rounds[1:], strict=False):
-        spans.setdefault(round_kind(schedule, r - 1), []).append(done_at[r] - done_at[before])
-    by_phase = {phase: statistics.mean(seconds) for phase, seconds in spans.items()}
+    by_phase = seconds_by_kind(RoundSchedule(ExperimentConfig.model_validate(cfg)),  # a report's round r: the
+                               [(r - 1, done_at[r] - done_at[before])  # schedule's round r - 1
+                                for before, r in zip(rounds, rounds[1:], strict=False)])
     return ((done_at[rounds[-1]] - done_at[rounds[0]]) / (len(rounds) - 1), summary["test_accuracy"], phases,
             per_round, by_phase)
 

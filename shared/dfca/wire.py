@@ -167,7 +167,7 @@ def body_bytes(spec: Spec, shapes: Mapping[str, tuple[int, ...]], model_dtype: t
 @lru_cache(maxsize=256)
 def _body_bytes(key: tuple[tuple[str, tuple[int, ...], str], ...]) -> int:
     dtypes = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int8)}
-    return len(st_save({n: torch.empty(shape, dtype=dtypes[d]) for n, shape, d in key}))
+    return len(serialize({n: torch.empty(shape, dtype=dtypes[d]) for n, shape, d in key}))
 
 
 def _int_header(headers: Mapping[str, object], key: str) -> int:
