@@ -199,7 +199,9 @@ def test_a_run_on_per_principal_users_ignores_a_compromised_worker_and_survives_
                        read_token="reader") as stack:
         api = Api.of(stack)  # it sends the API token, which reads too
         assert httpx.get(f"{stack.options.topology_url}/experiments").status_code == 401  # reads need a token
-        cfg = rotated_mnist(name="least-privilege", rounds=8)
+        # 30 rounds: the outage (after round 3) must fall inside the run on a fast machine too, where 8 rounds
+        # (0.1-0.2 s each) ended before the broker went down (CI, 16bc1dd)
+        cfg = rotated_mnist(name="least-privilege", rounds=30)
         experiment = api.create_and_start(cfg)
         api.wait_round(experiment, 1)
         deployment = topics.deployment_tag(stack.options.topology_url)
@@ -223,10 +225,13 @@ def test_a_run_on_per_principal_users_ignores_a_compromised_worker_and_survives_
 
         api.wait_round(experiment, 3)
         private_rabbitmq.stop()
-        during = api.experiment(experiment)  # REST works without the broker
-        assert during["status"] == "running" and during["round"] < total_rounds(cfg), "the outage must fall in the run"
-        time.sleep(3)  # a real outage: reconnect attempts fail for a while
-        private_rabbitmq.start()
+        try:
+            during = api.experiment(experiment)  # REST works without the broker
+            assert during["status"] == "running" and during["round"] < total_rounds(cfg), \
+                ("the outage must fall in the run", during)
+            time.sleep(3)  # a real outage: reconnect attempts fail for a while
+        finally:
+            private_rabbitmq.start()  # the module's node: the next test needs it up whatever happened here
 
         final = api.wait_finished(experiment, timeout=300)
         assert final["status"] == "completed" and final["failed_clients"] == [], final
