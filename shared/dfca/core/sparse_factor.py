@@ -1,26 +1,47 @@
 """The first factor of a product with the models, dense or CSR: whichever multiplies faster here.
 
 A gossip or merge matrix over N clients has about degree x N entries. Where it is at most SPARSE_DENSITY full,
-`Tensor.addmm_` with a CSR first factor (in place, on CPU) beat the dense product on this project's machine: one
-product [N, N] x [N, C] at N=240 with 24 neighbours (density 0.1) took about as long either way, at N=1,000 and
-3,000 with 10 neighbours 1/10 and 1/30 of the dense time, about SPARSE_ENTRY_COST dense multiply-adds' time per
-stored entry (measured under load: compare ratios, docs/performance.md).
+`Tensor.addmm_` with a CSR first factor (in place, on CPU) beats the dense product on this project's machine:
+- on narrow blocks of the models (a few MB, which stay in cache through a gossip round's steps: stepwise
+  consensus), a stored entry costs about 4.5 dense multiply-adds at N = 100-240 and 8 at N = 1,000; at N=240 with
+  24 neighbours (density 0.1) CSR took 0.45 of the dense time;
+- in DFCA's one-hop fold at N=240 with 24 neighbours ([240 x 60] coefficients of a cluster's senders times their
+  models), CSR took 0.4-0.45 of the dense time;
+- on wide products ([N, N] x [N, 65,536]) about SPARSE_ENTRY_COST (9) multiply-adds' time an entry: at N=240
+  and density 0.1 as long as the dense product, at N=1,000 and 3,000 with 10 neighbours 1/10 and 1/30 of it.
+(Measured under load: compare ratios, docs/performance.md.)
 """
 
 from __future__ import annotations
 
 import warnings
 
+import torch
 from torch import Tensor
 
-SPARSE_DENSITY = 0.05
+SPARSE_DENSITY = 0.12
 SPARSE_ENTRY_COST = 9
 
 
 def product_factor(a: Tensor) -> Tensor:
-    """a [R, C] float as the first factor of addmm_: CSR where at most SPARSE_DENSITY of it is non-zero (CPU)."""
-    if a.dim() != 2 or a.device.type != "cpu" or a.shape[0] < 2 or a.count_nonzero() > SPARSE_DENSITY * a.numel():
+    """a [R, C] float (dense or CSR) as the first factor of addmm_: CSR where at most SPARSE_DENSITY of it is
+    non-zero (CPU), else dense."""
+    if a.dim() != 2 or a.device.type != "cpu" or a.shape[0] < 2:
+        return a
+    sparse = a.layout == torch.sparse_csr
+    if (a._nnz() if sparse else int(a.count_nonzero())) > SPARSE_DENSITY * a.numel():
+        return a.to_dense() if sparse else a
+    if sparse:
         return a
     with warnings.catch_warnings():  # "sparse CSR support is in beta": the products used are tested (core tests)
         warnings.simplefilter("ignore", UserWarning)
         return a.to_sparse_csr()
+
+
+def columns(a: Tensor, cols: Tensor) -> Tensor:
+    """a[:, cols] for a dense or CSR a (a CSR one stays sparse: no dense [R, C] copy on large graphs)."""
+    if a.layout != torch.sparse_csr:
+        return a[:, cols]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return a.to_sparse_coo().index_select(1, cols).to_sparse_csr()
