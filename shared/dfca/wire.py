@@ -30,7 +30,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from dfca import topics
-from dfca.core.quantize import dequantize, quantize, round_trip, round_trip_
+from dfca.core.quantize import dequantize, quantize, round_trip, round_trip_into
 
 WIRE_VERSION = "2"
 HEADER_KEYS = ("experiment", "sender", "round", "exchange", "step", "part", "sha256", "dtype", "version")
@@ -150,7 +150,7 @@ def model_as_received(t: torch.Tensor, model_dtype: torch.dtype, out: torch.Tens
     if out is None:
         return round_trip(t) if model_dtype == torch.int8 else t.to(model_dtype).to(t.dtype)
     if model_dtype == torch.int8:
-        return round_trip_(out.copy_(t))
+        return round_trip_into(t, out)
     return out.copy_(t.to(model_dtype))
 
 

@@ -42,14 +42,16 @@ def dequantize(codes: Tensor, scale: Tensor) -> Tensor:
     return codes.float() * scale.float().unsqueeze(-1) if codes.dim() else codes.float() * scale.float()
 
 
-def round_trip_(x: Tensor) -> Tensor:
-    """round_trip in place on a float32 tensor [..., C] whose values may be overwritten (no new tensor as large as
-    x: where the same buffer is rounded again and again, it is not allocated again and again)."""
-    rows = x.view(-1, x.shape[-1]) if x.dim() else x.view(1, 1)
-    scale = torch.maximum(rows.amax(1), -rows.amin(1)).div_(LEVELS)
-    rows.div_(scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)).round_().clamp_(-LEVELS, LEVELS)
-    rows.mul_(scale.unsqueeze(1))
-    return x
+def round_trip_into(x: Tensor, out: Tensor) -> Tensor:
+    """round_trip(x) written into out, a contiguous float32 tensor of x's shape (x may be out itself): no tensor
+    as large as x is allocated, and x is read twice (its scales, then its codes), where the same buffer is rounded
+    again and again."""
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    dest = out.view(rows.shape)
+    scale = torch.maximum(rows.amax(1), -rows.amin(1)).float().div_(LEVELS)
+    torch.div(rows, scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1), out=dest)
+    dest.round_().clamp_(-LEVELS, LEVELS).mul_(scale.unsqueeze(1))
+    return out
 
 
 def round_trip(x: Tensor) -> Tensor:
