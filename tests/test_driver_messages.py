@@ -404,3 +404,39 @@ def test_a_message_fanned_out_to_several_hosted_clients_is_decoded_once(monkeypa
     with pytest.raises(PayloadRejected, match="sha256"):
         rest._decode(Message(topics.MODELS_EXCHANGE, key, bytes(tampered), headers), memo)
     assert rest._decode(Message(topics.MODELS_EXCHANGE, key, body, headers), memo) is first
+
+
+def test_a_workers_own_clients_messages_stay_in_the_process_and_a_broker_copy_is_dropped() -> None:
+    """A hosted client's gossip to hosted neighbours is delivered in the process (no broker delivery, no decode):
+    each driver decodes only its other-hosted neighbours' messages, yet every (row, neighbour) pair is applied once
+    and the result is the simulator's. A copy of a hosted client's message that reaches the worker's queue anyway
+    (a binding another driver made) is dropped unread: not mixed twice, not held against the client."""
+    cfg = robust_config()
+    broker = InMemoryBroker()
+    drivers, ctx = build_drivers(cfg, broker, 3)
+    sim = simulate(cfg, data=ctx.data)
+    decoded: list[Counter[int]] = []
+    for d in drivers:
+        counts: Counter[int] = Counter()
+        decoded.append(counts)
+
+        def counting(message: Message, memo: Any, d: MessageDriver = d, counts: Counter[int] = counts) -> Envelope:
+            envelope = MessageDriver._decode(d, message, memo)
+            counts[envelope.sender] += 1
+            return envelope
+
+        d._decode = counting  # type: ignore[method-assign]
+    own = drivers[0]
+    hosted_sender = next(c for c in own.ids if any(m in own.ids for m in own.neighbours[c]))
+    own.transport.bind(own.queue, topics.MODELS_EXCHANGE, topics.neighbour_binding("robust", hosted_sender))
+    run = LockstepRun(drivers, None)
+    for t in range(cfg.rounds):
+        lockstep_round(run, t)
+    steps = sum(RoundSchedule(cfg).gossip_steps(t) for t in range(cfg.rounds))
+    assert sum(d.stats.applied for d in drivers) == steps * int(ctx.adjacency.sum())
+    for d, counts in zip(drivers, decoded, strict=True):
+        assert counts and not set(counts) & set(d.ids), (d.ids, counts)  # only other workers' clients decoded
+        assert set(counts) == d.heard() and all(n == steps for n in counts.values())
+        for name, tensor in d.algorithm.params.items():  # type: ignore[attr-defined]
+            torch.testing.assert_close(tensor, sim.algorithm.params[name][d.ids], rtol=1e-4, atol=1e-5)
+    assert own.stats.not_neighbour == steps and not own.blocked and own.stats.duplicates == 0

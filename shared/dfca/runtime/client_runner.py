@@ -86,12 +86,12 @@ def checkpoint_path(checkpoint_dir: Path, experiment: str, ordinal: int) -> Path
 
 
 def prefetch_for(neighbours: dict[int, list[int]], clients: list[int], messages_per_round: int = 1) -> int:
-    """The worker queue's prefetch: room for several rounds of messages from every sender that a hosted client
-    neighbours (acks wait for checkpoints).
+    """The worker queue's prefetch: room for several rounds of messages from every sender hosted elsewhere that a
+    hosted client neighbours (acks wait for checkpoints; hosted senders' messages are delivered locally).
 
     `messages_per_round`: messages a neighbour sends per round (robust DFCA: one per gossip step).
     """
-    heard = {m for c in clients for m in neighbours.get(c, ())}
+    heard = {m for c in clients for m in neighbours.get(c, ())} - set(clients)
     return max(64, 8 * max(1, len(heard)) * max(1, messages_per_round))
 
 

@@ -249,11 +249,14 @@ class Coordinator:
 
     def _bind_new_edges(self, record: ExperimentRecord, before: dict[int, list[int]],
                         after: dict[int, list[int]]) -> None:
-        """Bind each worker's queue to the clients its clients newly neighbour, before any worker switches to the new
-        graph, so that nothing a new neighbour sends from the effective round on is lost."""
+        """Bind each worker's queue to the clients hosted elsewhere that its clients newly neighbour, before any worker
+        switches to the new graph, so that nothing a new neighbour sends from the effective round on is lost (a
+        worker delivers its own clients' messages itself)."""
         heard: dict[str, set[int]] = {}
         for client, neighbours in after.items():
-            heard.setdefault(host_of(client, record.workers), set()).update(set(neighbours) - set(before[client]))
+            host = host_of(client, record.workers)
+            heard.setdefault(host, set()).update(m for m in set(neighbours) - set(before[client])
+                                                 if host_of(m, record.workers) != host)
         for host, new in heard.items():
             queue = topics.worker_queue(record.id, host)
             if new:

@@ -2,9 +2,12 @@
 
 It runs the simulator's algorithm objects (dfca.algorithms) unchanged and owns everything around them:
 - queues: one per driver (a worker's, topics.worker_queue), bound to the keys of every neighbour of a hosted client
-  and/or the server's (the algorithm's `links`); the broker delivers each message to a worker once, and the driver
-  hands it to every hosted row whose client neighbours the sender (a fan-out the driver settles with one ack); a
-  central role has one queue, bound to every client's keys;
+  that is hosted elsewhere, and/or the server's (the algorithm's `links`); the broker delivers each message to a
+  worker once, and the driver hands it to every hosted row whose client neighbours the sender (a fan-out the driver
+  settles with one ack); a central role has one queue, bound to every client's keys;
+- local delivery: a hosted client's message to hosted neighbours does not leave the process: the driver hands them
+  its values as the wire delivers them (wire.as_received: what decoding the published copy gives), so no broker
+  delivery, decode or ack is spent on it; a copy that arrives from the broker under a hosted sender's key is dropped;
 - each exchange of a round: publish every hosted row's message, collect until every expected sender's
   messages arrived or the deadline passed (`runtime.round_timeout` x the exchange's `wait`; counted from
   the first arrival where the exchange `needs_arrival`), close it;
@@ -59,7 +62,16 @@ from dfca.runtime.host_transport import RunInterrupted
 from dfca.runtime.liveness import NeighbourLiveness
 from dfca.transport import Message, Transport
 from dfca.transport.broker_setup import ensure_broker_topology
-from dfca.wire import PAYLOAD_DTYPES, Envelope, PayloadRejected, Spec, decode_message, encode_message, message_bytes
+from dfca.wire import (
+    PAYLOAD_DTYPES,
+    Envelope,
+    PayloadRejected,
+    Spec,
+    as_received,
+    decode_message,
+    encode_message,
+    message_bytes,
+)
 
 log = logging.getLogger(__name__)
 # A live neighbour is a round or two ahead at most (it waits for this client's messages, or a deadline, in every
@@ -113,9 +125,10 @@ class DriverStats:
 
 @dataclass(eq=False)
 class Unsettled:
-    """One message handed to several hosted rows: it is acknowledged when the last of them is done with it."""
+    """One message handed to several hosted rows: it is acknowledged when the last of them is done with it (None:
+    delivered locally, nothing to acknowledge)."""
 
-    message: Message
+    message: Message | None
     rows: int
     repeat_counted: bool = False  # a repeat counts once against its sender, however many rows it reached
 
@@ -123,7 +136,7 @@ class Unsettled:
 @dataclass
 class Delivery:
     row: int
-    message: Message
+    message: Message | None  # None: a hosted client's message, delivered locally
     envelope: Envelope
     fanout: Unsettled
 
@@ -141,6 +154,7 @@ class MessageDriver:
         self.workers = workers
         self.publishers = principals.PublisherCheck(transport.user)
         self.ids = list(ctx.clients)
+        self.hosted = set(self.ids) if self.side == "clients" else set()  # their messages are delivered locally
         self.queue = queue or (topics.server_queue(experiment) if self.side == "server"
                                else topics.worker_queue(experiment, self.host_of(self.ids[0])))
         self.model_dtype = PAYLOAD_DTYPES[self.cfg.runtime.payload_dtype]
@@ -177,9 +191,10 @@ class MessageDriver:
         """The hosted clients' current neighbours."""
         return {c: sorted(self.algorithm.ctx.graph.get(c, ())) for c in self.ids}
 
-    def heard(self) -> set[int]:
-        """Every sender a hosted client neighbours: the keys the driver's queue is bound to."""
-        return {m for c in self.ids for m in self.algorithm.ctx.graph.get(c, ())}
+    def heard(self, graph: Graph | None = None) -> set[int]:
+        """Every sender hosted elsewhere that a hosted client neighbours: the keys the driver's queue is bound to."""
+        graph = self.algorithm.ctx.graph if graph is None else graph
+        return {m for c in self.ids for m in graph.get(c, ())} - self.hosted
 
     def _index_graph(self) -> None:
         """sender -> the hosted rows that hear it, for the fan-out of what arrives (blocked senders heard by none)."""
@@ -214,7 +229,7 @@ class MessageDriver:
     def set_graph(self, graph: Graph) -> None:
         """A topology change (the whole new graph): rebind the driver's queue, tell the algorithm."""
         if "neighbours" in self.algorithm.links and self.side == "clients":
-            old, new = self.heard(), {m for c in self.ids for m in graph.get(c, ())}
+            old, new = self.heard(), self.heard(graph)
             for m in sorted(old - new):
                 self.transport.unbind(self.queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(self.experiment, m))
             for m in sorted(new - old - self.blocked):
@@ -301,7 +316,7 @@ class MessageDriver:
         models = self.algorithm.ctx.model.shapes()
         check_finite(self.algorithm, self.round,
                      {n: out.tensors[n] for n in spec if n in models or n.split(".", 1)[-1] in models})
-        batch, sent = [], 0
+        batch, sent, local = [], 0, []
         for s, (row, part) in enumerate(zip(out.row.tolist(), out.part.tolist(), strict=True)):
             sender = self.ids[row]
             rows = None if out.lengths is None else int(out.lengths[s])
@@ -313,9 +328,26 @@ class MessageDriver:
             if self.side == "clients":  # a client's traffic: the message once per receiver, as the simulator counts
                 receivers = 1 if ex.receiver == "server" else len(self.algorithm.ctx.graph.get(sender, ()))
                 sent += message_bytes(len(body), headers, key) * receivers
+            local.append(envelope)
         self.transport.publish_pipelined(batch)  # the rows' messages together; confirmed by the end of the round
         self.stats.published += len(batch)
         self.bytes_sent += sent
+        for envelope in local:
+            self._deliver_locally(envelope, ex, spec)
+
+    def _deliver_locally(self, envelope: Envelope, ex: Exchange, spec: Spec) -> None:
+        """A hosted client's message to the hosted rows that hear it, valued as decoding its published copy would
+        value it, in tensors of its own (what was sent may be state that folding changes in place)."""
+        rows = self.rows_hearing(envelope.sender, ex) if envelope.sender in self.hosted else []
+        if not rows:
+            return
+        sent = envelope.tensors
+        received = as_received(spec, sent, self.model_dtype)
+        envelope = Envelope(envelope.experiment, envelope.sender, envelope.round, envelope.exchange, envelope.step,
+                            envelope.part, {n: t.clone() if t is sent[n] else t for n, t in received.items()})
+        fanout = Unsettled(None, len(rows))
+        for row in rows:
+            self._route(Delivery(row, None, envelope, fanout))
 
     def collect(self, timeout: float) -> bool:
         """Receive the open exchange's messages until none is due or its deadline passes. True if none is missing."""
@@ -406,6 +438,10 @@ class MessageDriver:
         return envelope
 
     def _handle(self, message: Message, decoded: dict[tuple[str, str], tuple[bytes, Envelope]]) -> None:
+        if self.hosted and self._sender_hosted_here(message):
+            self.stats.not_neighbour += 1  # a copy of what was delivered locally (a binding made for another driver)
+            self.transport.ack(message)
+            return
         if not self.from_senders_host(message):
             self.stats.rejected["publisher"] += 1
             self._warn("rejected message %s for %s: published by %r, not by its sender's host", message.routing_key,
@@ -448,7 +484,7 @@ class MessageDriver:
     def _settle(self, delivery: Delivery) -> None:
         """Row `delivery.row` is done with its message; the message is acknowledged once every row it reached is."""
         delivery.fanout.rows -= 1
-        if delivery.fanout.rows == 0:
+        if delivery.fanout.rows == 0 and delivery.message is not None:
             self.transport.ack(delivery.message)
 
     def _count_invalid(self, message: Message) -> None:
@@ -469,7 +505,7 @@ class MessageDriver:
             self.block(sender)
 
     def _count_repeat(self, delivery: Delivery) -> None:
-        if not delivery.fanout.repeat_counted:
+        if delivery.message is not None and not delivery.fanout.repeat_counted:
             delivery.fanout.repeat_counted = True
             self._count_invalid(delivery.message)
 
@@ -484,6 +520,12 @@ class MessageDriver:
         log.warning("round %d: client %d (host %s) sent %d malformed or repeated messages: cut off for the rest of the "
                     "run",
                     self.round, sender, self.host_of(sender), self.invalid[sender])
+
+    def _sender_hosted_here(self, message: Message) -> bool:
+        try:
+            return topics.parse_model_key(message.routing_key).sender in self.hosted
+        except ValueError:
+            return False
 
     def from_senders_host(self, message: Message) -> bool:
         """The routing key names the sender's host, and (where publishers are proven) the host published it. A
