@@ -109,6 +109,20 @@ def test_lossy_payloads_decode_to_what_the_simulator_delivers(dtype: torch.dtype
     torch.testing.assert_close(got.tensors["num.w"], message.tensors["num.w"], atol=0.02, rtol=0.02)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
+def test_the_senders_own_copy_is_what_the_receiver_decodes(dtype: torch.dtype) -> None:
+    """encode_message's `received` (a worker's copy for its own clients): the decoded values exactly, in tensors
+    that do not share the sent ones' memory (folding changes the sent state in place)."""
+    message = gossip_message()
+    received: dict[str, torch.Tensor] = {}
+    body, headers = encode_message(message, GOSSIP, dtype, received)
+    got = decode(body, headers, GOSSIP)
+    assert set(received) == set(GOSSIP)
+    for name in GOSSIP:
+        assert received[name].dtype == got.tensors[name].dtype and torch.equal(received[name], got.tensors[name]), name
+        assert received[name].untyped_storage().data_ptr() != message.tensors[name].untyped_storage().data_ptr()
+
+
 def test_int8_payload_is_a_quarter_and_its_scales_are_checked() -> None:
     g = torch.Generator().manual_seed(2)
     big: Spec = {"w": TensorSpec((200, 784)), "b": TensorSpec((200,))}

@@ -91,15 +91,23 @@ def _wire_dtype(spec: TensorSpec, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def encode_message(
-    envelope: Envelope, spec: Spec, model_dtype: torch.dtype = torch.float32
+    envelope: Envelope, spec: Spec, model_dtype: torch.dtype = torch.float32,
+    received: dict[str, torch.Tensor] | None = None,
 ) -> tuple[bytes, dict[str, str]]:
+    """The message's body and headers. `received`: filled, where given, with what decoding the message gives (CPU
+    tensors of its own, as_received's values), from the codes just computed: a sender's copy for receivers in its
+    own process."""
     tensors: dict[str, torch.Tensor] = {}
     for n, s in spec.items():
         t = envelope.tensors[n].detach().to("cpu")
         if s.kind == "model" and model_dtype == torch.int8:
             tensors[n], tensors[n + SCALE] = quantize(t)
+            if received is not None:
+                received[n] = dequantize(tensors[n], tensors[n + SCALE])
         else:
             tensors[n] = t.to(_wire_dtype(s, model_dtype))
+            if received is not None:  # a copy: what was sent may be state that folding changes in place
+                received[n] = (tensors[n].to(t.dtype) if s.kind == "model" else t).clone()
     body = serialize(tensors)
     return body, headers_of(envelope, model_dtype, sha256(body))
 

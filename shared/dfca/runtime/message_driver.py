@@ -6,8 +6,9 @@ It runs the simulator's algorithm objects (dfca.algorithms) unchanged and owns e
   worker once, and the driver hands it to every hosted row whose client neighbours the sender (a fan-out the driver
   settles with one ack); a central role has one queue, bound to every client's keys;
 - local delivery: a hosted client's message to hosted neighbours does not leave the process: the driver hands them
-  its values as the wire delivers them (wire.as_received: what decoding the published copy gives), so no broker
-  delivery, decode or ack is spent on it; a copy that arrives from the broker under a hosted sender's key is dropped;
+  its values as the wire delivers them (encode_message's `received`: what decoding the published copy gives, from
+  the codes just computed), so no broker delivery, decode or ack is spent on it; a copy that arrives from the
+  broker under a hosted sender's key is dropped;
 - each exchange of a round: publish every hosted row's message, collect until every expected sender's
   messages arrived or the deadline passed (`runtime.round_timeout` x the exchange's `wait`; counted from
   the first arrival where the exchange `needs_arrival`), close it;
@@ -67,7 +68,6 @@ from dfca.wire import (
     Envelope,
     PayloadRejected,
     Spec,
-    as_received,
     decode_message,
     encode_message,
     message_bytes,
@@ -322,32 +322,24 @@ class MessageDriver:
             rows = None if out.lengths is None else int(out.lengths[s])
             envelope = Envelope(self.experiment, sender, self.round, ex.name, ex.step, part,
                                 {n: out.tensors[n][s][:rows] if spec[n].ragged else out.tensors[n][s] for n in spec})
-            body, headers = encode_message(envelope, spec, self.model_dtype)
+            received: dict[str, torch.Tensor] | None = {} if sender in self.hosted and self.rows_hearing(sender, ex) \
+                else None
+            body, headers = encode_message(envelope, spec, self.model_dtype, received)
             key = topics.model_key(self.experiment, self.host_of(sender), sender, part)
             batch.append((topics.MODELS_EXCHANGE, key, body, headers))
             if self.side == "clients":  # a client's traffic: the message once per receiver, as the simulator counts
                 receivers = 1 if ex.receiver == "server" else len(self.algorithm.ctx.graph.get(sender, ()))
                 sent += message_bytes(len(body), headers, key) * receivers
-            local.append(envelope)
+            if received is not None:  # hosted rows hear it: their copy, as decoding the published one gives it
+                local.append(Envelope(self.experiment, sender, self.round, ex.name, ex.step, part, received))
         self.transport.publish_pipelined(batch)  # the rows' messages together; confirmed by the end of the round
         self.stats.published += len(batch)
         self.bytes_sent += sent
         for envelope in local:
-            self._deliver_locally(envelope, ex, spec)
-
-    def _deliver_locally(self, envelope: Envelope, ex: Exchange, spec: Spec) -> None:
-        """A hosted client's message to the hosted rows that hear it, valued as decoding its published copy would
-        value it, in tensors of its own (what was sent may be state that folding changes in place)."""
-        rows = self.rows_hearing(envelope.sender, ex) if envelope.sender in self.hosted else []
-        if not rows:
-            return
-        sent = envelope.tensors
-        received = as_received(spec, sent, self.model_dtype)
-        envelope = Envelope(envelope.experiment, envelope.sender, envelope.round, envelope.exchange, envelope.step,
-                            envelope.part, {n: t.clone() if t is sent[n] else t for n, t in received.items()})
-        fanout = Unsettled(None, len(rows))
-        for row in rows:
-            self._route(Delivery(row, None, envelope, fanout))
+            rows = self.rows_hearing(envelope.sender, ex)
+            fanout = Unsettled(None, len(rows))
+            for row in rows:
+                self._route(Delivery(row, None, envelope, fanout))
 
     def collect(self, timeout: float) -> bool:
         """Receive the open exchange's messages until none is due or its deadline passes. True if none is missing."""
