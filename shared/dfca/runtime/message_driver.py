@@ -141,6 +141,14 @@ class Delivery:
     fanout: Unsettled
 
 
+def model_key_of(message: Message) -> topics.ModelKey | None:
+    """The message's routing key parsed (topics.parse_model_key), None where it is malformed."""
+    try:
+        return topics.parse_model_key(message.routing_key)
+    except ValueError:
+        return None
+
+
 class MessageDriver:
     def __init__(self, algorithm: Algorithm, experiment: str, transport: Transport,
                  keep_going: Callable[[], bool] | None = None, workers: int = 1, queue: str | None = None) -> None:
@@ -430,11 +438,12 @@ class MessageDriver:
         return envelope
 
     def _handle(self, message: Message, decoded: dict[tuple[str, str], tuple[bytes, Envelope]]) -> None:
-        if self.hosted and self._sender_hosted_here(message):
+        key = model_key_of(message)
+        if key is not None and key.sender in self.hosted:
             self.stats.not_neighbour += 1  # a copy of what was delivered locally (a binding made for another driver)
             self.transport.ack(message)
             return
-        if not self.from_senders_host(message):
+        if not self.from_senders_host(message, key):
             self.stats.rejected["publisher"] += 1
             self._warn("rejected message %s for %s: published by %r, not by its sender's host", message.routing_key,
                        self.queue, message.publisher)
@@ -486,10 +495,10 @@ class MessageDriver:
         frame an honest client, so nobody is cut off."""
         if not self.publishers.strict or message.redelivered:
             return
-        try:
-            sender = topics.parse_model_key(message.routing_key).sender
-        except ValueError:
+        key = model_key_of(message)
+        if key is None:
             return
+        sender = key.sender
         if sender == SERVER or sender in self.blocked:
             return
         self.invalid[sender] += 1
@@ -513,18 +522,10 @@ class MessageDriver:
                     "run",
                     self.round, sender, self.host_of(sender), self.invalid[sender])
 
-    def _sender_hosted_here(self, message: Message) -> bool:
-        try:
-            return topics.parse_model_key(message.routing_key).sender in self.hosted
-        except ValueError:
-            return False
-
-    def from_senders_host(self, message: Message) -> bool:
-        """The routing key names the sender's host, and (where publishers are proven) the host published it. A
-        malformed key passes here: the decoder rejects it."""
-        try:
-            key = topics.parse_model_key(message.routing_key)
-        except ValueError:
+    def from_senders_host(self, message: Message, key: topics.ModelKey | None) -> bool:
+        """The routing key (`key`, parsed) names the sender's host, and (where publishers are proven) the host
+        published it. A malformed key (None) passes here: the decoder rejects it."""
+        if key is None:
             return True
         host = self.host_of(key.sender)
         return key.host == host and self.publishers.allows(message.publisher, host)
