@@ -9,7 +9,8 @@ A gossip or merge matrix over N clients has about degree x N entries. Where it i
   models), CSR took 0.4-0.45 of the dense time;
 - on wide products ([N, N] x [N, 65,536]) about SPARSE_ENTRY_COST (9) multiply-adds' time an entry: at N=240
   and density 0.1 as long as the dense product, at N=1,000 and 3,000 with 10 neighbours 1/10 and 1/30 of it.
-(Measured under load: compare ratios, docs/performance.md.)
+(Timed in development, under load, the narrow-block and fold ratios with scratch scripts: compare ratios;
+the end-to-end effect is docs/performance.md's paper-scale run.)
 """
 
 from __future__ import annotations
