@@ -63,15 +63,7 @@ from dfca.runtime.host_transport import RunInterrupted
 from dfca.runtime.liveness import NeighbourLiveness
 from dfca.transport import Message, Transport
 from dfca.transport.broker_setup import ensure_broker_topology
-from dfca.wire import (
-    PAYLOAD_DTYPES,
-    Envelope,
-    PayloadRejected,
-    Spec,
-    decode_message,
-    encode_message,
-    message_bytes,
-)
+from dfca.wire import PAYLOAD_DTYPES, Envelope, PayloadRejected, Spec, decode_message, encode_message, message_bytes
 
 log = logging.getLogger(__name__)
 # A live neighbour is a round or two ahead at most (it waits for this client's messages, or a deadline, in every
@@ -330,8 +322,8 @@ class MessageDriver:
             rows = None if out.lengths is None else int(out.lengths[s])
             envelope = Envelope(self.experiment, sender, self.round, ex.name, ex.step, part,
                                 {n: out.tensors[n][s][:rows] if spec[n].ragged else out.tensors[n][s] for n in spec})
-            received: dict[str, torch.Tensor] | None = {} if sender in self.hosted and self.rows_hearing(sender, ex) \
-                else None
+            hearing = self.rows_hearing(sender, ex) if sender in self.hosted else []
+            received: dict[str, torch.Tensor] | None = {} if hearing else None
             body, headers = encode_message(envelope, spec, self.model_dtype, received)
             key = topics.model_key(self.experiment, self.host_of(sender), sender, part)
             batch.append((topics.MODELS_EXCHANGE, key, body, headers))
@@ -339,14 +331,13 @@ class MessageDriver:
                 receivers = 1 if ex.receiver == "server" else len(self.algorithm.ctx.graph.get(sender, ()))
                 sent += message_bytes(len(body), headers, key) * receivers
             if received is not None:  # hosted rows hear it: their copy, as decoding the published one gives it
-                local.append(Envelope(self.experiment, sender, self.round, ex.name, ex.step, part, received))
+                local.append((Envelope(self.experiment, sender, self.round, ex.name, ex.step, part, received), hearing))
         self.transport.publish_pipelined(batch)  # the rows' messages together; confirmed by the end of the round
         self.stats.published += len(batch)
         self.bytes_sent += sent
-        for envelope in local:
-            rows = self.rows_hearing(envelope.sender, ex)
-            fanout = Unsettled(None, len(rows))
-            for row in rows:
+        for envelope, hearing in local:
+            fanout = Unsettled(None, len(hearing))
+            for row in hearing:
                 self._route(Delivery(row, None, envelope, fanout))
 
     def collect(self, timeout: float) -> bool:
