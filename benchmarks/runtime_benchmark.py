@@ -17,16 +17,18 @@ Goals (issue 3): runtime round <= 1.25x the simulator's; exchange >= 70% of raw 
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import json
 import os
 import socket
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,7 @@ from dfca.transport import RabbitMQTransport
 from dfca.wire import Envelope, TensorSpec, encode_message
 
 TOKEN = "benchmark"
+CPU_SAMPLE_S = 0.05  # how often CpuTrace reads the processes' CPU seconds
 
 
 def demo_config(rounds: int) -> dict[str, Any]:
@@ -132,6 +135,44 @@ def cpu_of(groups: dict[str, list[int]]) -> dict[str, float]:
     return {name: sum(cpu_seconds(pid) for pid in pids) for name, pids in groups.items()}
 
 
+class CpuTrace:
+    """The CPU seconds each group of processes has used, sampled every CPU_SAMPLE_S from `start` to `stop`, so that
+    what they used between two moments of the run (`between`: the first round's end and the last's, as the
+    seconds per round are measured) leaves out start-up: imports, data, the first round."""
+
+    def __init__(self, groups: dict[str, list[int]]) -> None:
+        self.groups = groups
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while True:
+            self.samples.append((time.time(), cpu_of(self.groups)))
+            if self._stop.wait(CPU_SAMPLE_S):
+                self.samples.append((time.time(), cpu_of(self.groups)))
+                return
+
+    def at(self, when: float) -> dict[str, float]:
+        """Each group's CPU seconds at time `when`, interpolated between the samples around it."""
+        times = [t for t, _ in self.samples]
+        i = min(max(bisect.bisect_left(times, when), 1), len(times) - 1)
+        (t0, a), (t1, b) = self.samples[i - 1], self.samples[i]
+        w = 0.0 if t1 == t0 else min(max((when - t0) / (t1 - t0), 0.0), 1.0)
+        return {name: a[name] + w * (b[name] - a[name]) for name in a}
+
+    def between(self, began: float, ended: float) -> dict[str, float]:
+        first, last = self.at(began), self.at(ended)
+        return {name: last[name] - first[name] for name in first}
+
+
 def runtime_round_seconds(cfg: dict[str, Any], broker: str, state_dir: Path,
                           broker_users: dict[str, str] | None = None,
                           during: Callable[[str], Callable[[], None]] | None = None) -> tuple[float, float]:
@@ -146,8 +187,9 @@ def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_us
                     ) -> tuple[float, float, dict[str, float], dict[str, float], dict[str, float]]:
     """`runtime_round_seconds`, where a round's time goes (each phase's seconds per round: the message driver's
     DriverStats.seconds, PHASES, mean over the workers), the CPU seconds per round of each group of processes
-    (`runtime_run`'s `cpu`) and the seconds per round of each kind (`round_kind`: seeding, merge, gossip)."""
-    cpu: dict[str, float] = {}
+    (`runtime_run`'s `cpu`) over the same rounds as the seconds per round, and the seconds per round of each kind
+    (`round_kind`: seeding, merge, gossip)."""
+    cpu: list[CpuTrace] = []
     summary, reports = runtime_run(cfg, broker, state_dir, broker_users, during, cpu)
     done_at: dict[int, float] = {}
     last: dict[int, Any] = {}
@@ -158,7 +200,8 @@ def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_us
     rounds = sorted(done_at)
     phases = {p: statistics.mean(r.stats.get("seconds", {}).get(p, 0.0) / (r.round + 1) for r in last.values())
               for p in PHASES}
-    per_round = {name: seconds / len(rounds) for name, seconds in cpu.items()}
+    per_round = {name: seconds / (len(rounds) - 1)
+                 for name, seconds in cpu[0].between(done_at[rounds[0]], done_at[rounds[-1]]).items()}
     by_phase = seconds_by_kind(RoundSchedule(ExperimentConfig.model_validate(cfg)),  # a report's round r: the
                                [(r - 1, done_at[r] - done_at[before])  # schedule's round r - 1
                                 for before, r in zip(rounds, rounds[1:], strict=False)])
@@ -167,11 +210,11 @@ def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_us
 
 
 def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
-                during: Callable[[str], Callable[[], None]] | None = None, cpu: dict[str, float] | None = None
+                during: Callable[[str], Callable[[], None]] | None = None, cpu: list[CpuTrace] | None = None
                 ) -> tuple[dict[str, Any], list[Any]]:
     """One run on a fresh 3-worker stack: (the metrics service's summary, the stored round reports). `cpu`, if
-    given, receives the CPU seconds each group of processes used from the experiment's start to its end: the
-    workers, the other services (topology, metrics) and the RabbitMQ node(s) on this machine."""
+    given, receives a CpuTrace of the run, from the experiment's start to its end, of the workers, the other
+    services (topology, metrics) and the RabbitMQ node(s) on this machine."""
     options = StackOptions(workers=3, broker_url=broker, topology_port=free_port(), metrics_port=free_port(),
                            worker_port_base=free_port_block(3), api_token=TOKEN, state_dir=state_dir, log_to_files=True,
                            log_level="WARNING", broker_users=broker_users)
@@ -187,7 +230,8 @@ def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users:
         groups = {"workers": [p.pid for p in stack.services.values() if p.service == "worker" and p.pid],
                   "services": [p.pid for p in stack.services.values() if p.service != "worker" and p.pid],
                   "broker": broker_pids()}
-        before = cpu_of(groups)
+        trace = CpuTrace(groups)
+        trace.start()
         api.post(f"/experiments/{experiment}:start").raise_for_status()
         halt = during(experiment) if during is not None else (lambda: None)
         try:
@@ -198,8 +242,9 @@ def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users:
                 time.sleep(0.5)
         finally:
             halt()
+            trace.stop()
         if cpu is not None:
-            cpu.update({name: used - before[name] for name, used in cpu_of(groups).items()})
+            cpu.append(trace)
         time.sleep(1.0)
         summary = httpx.get(f"{options.metrics_url}/experiments/{experiment}/summary", timeout=30,
                             headers={"Authorization": f"Bearer {TOKEN}"}).json()
@@ -338,6 +383,54 @@ def exchange_rates(url: str, hidden: int, n: int, repeats: int = 3) -> tuple[flo
     return megabytes / runtime, megabytes / raw, len(body)
 
 
+@contextlib.contextmanager
+def left_over_queues(url: str, count: int, binding: str) -> Iterator[None]:
+    """`count` service queues of other deployments, as stacks that are gone leave on a shared broker (every test and
+    benchmark run makes a stack): half event queues on dfca.metrics, half control queues on dfca.control, no
+    consumer. `binding`: "deployment", each bound to its own deployment's keys as this version binds them
+    (topics.deployment_keys), or "all", to every key as versions before it did. Deleted afterwards."""
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    channel = connection.channel()
+    names = []
+    for i in range(count):
+        deployment = f"dleftover{i:04d}"
+        exchange, queue = ((topics.METRICS_EXCHANGE, topics.events_queue(deployment, "metrics")) if i % 2 == 0
+                           else (topics.CONTROL_EXCHANGE, topics.worker_control_queue(deployment, 0)))
+        channel.queue_declare(queue, durable=True, arguments={"x-expires": 3600 * 1000})
+        channel.queue_bind(queue, exchange, topics.deployment_keys(deployment) if binding == "deployment"
+                           else topics.ALL_KEYS)
+        names.append(queue)
+    try:
+        yield
+    finally:
+        for queue in names:
+            channel.queue_delete(queue)
+        connection.close()
+
+
+def idle_service_queues() -> dict[str, int] | None:
+    """The service queues (events, control, dead-letter taps) on this machine's broker that no consumer reads, by how
+    they are bound on dfca.metrics or dfca.control ("all": to every key; "deployment": to their own deployment's),
+    from rabbitmqctl; None where it cannot be asked. Left-over queues of gone stacks cost the broker what is routed
+    to them."""
+    def table(*command: str) -> list[list[str]] | None:
+        try:
+            done = subprocess.run(["rabbitmqctl", "-q", *command], capture_output=True, text=True, timeout=60,
+                                  check=True)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return [line.split("\t") for line in done.stdout.splitlines()[1:] if line]
+
+    queues, bindings = table("list_queues", "-p", "dfca", "name", "consumers"), table(
+        "list_bindings", "-p", "dfca", "destination_name", "routing_key")
+    if queues is None or bindings is None:
+        return None
+    idle = {q[0] for q in queues if len(q) == 2 and q[1] == "0" and q[0].split(".")[1] in ("events", "control",
+                                                                                             "dead-letter")}
+    everything = {b[0] for b in bindings if len(b) == 2 and b[0] in idle and b[1] == topics.ALL_KEYS}
+    return {"all": len(everything), "deployment": len(idle - everything)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--broker", default=os.environ.get("DFCA_BROKER_URL", DEFAULT_BROKER_URL))
@@ -347,6 +440,12 @@ def main() -> None:
     parser.add_argument("--skip-exchange", action="store_true", help="only the seconds per round")
     parser.add_argument("--traffic", choices=["lean", "full"], default="lean", help="dfca.traffic of the run")
     parser.add_argument("--demo", action="store_true", help="the demo config (shared/dfca/configs/demo.yaml) instead")
+    parser.add_argument("--left-over-queues", type=int, default=0,
+                        help="first declare this many service queues of other deployments (stacks that are gone), "
+                             "to measure what they cost the broker (left_over_queues)")
+    parser.add_argument("--left-over-binding", choices=["deployment", "all"], default="deployment",
+                        help="how the left-over queues are bound: to their deployment's keys (this version) or to "
+                             "every key (versions before deployment keys)")
     parser.add_argument("--out", type=Path, default=Path("docs/results/runtime_benchmark_runs.jsonl"),
                         help="JSON lines file the figures are appended to (with the commit and the machine's load)")
     args = parser.parse_args()
@@ -360,8 +459,11 @@ def main() -> None:
         cfg["dfca"] = {**cfg.get("dfca", {}), "traffic": args.traffic}
         clients = ExperimentConfig.model_validate(cfg).data.clients
         sim_s, sim_acc, sim_cpu, sim_by_phase = simulator_round_seconds(cfg)
-        with tempfile.TemporaryDirectory() as tmp:
+        with (tempfile.TemporaryDirectory() as tmp,
+              left_over_queues(args.broker, args.left_over_queues, args.left_over_binding)):
+            record["idle_service_queues"] = idle_service_queues()
             run_s, run_acc, phases, cpu, by_phase = runtime_profile(cfg, args.broker, Path(tmp))
+
         rows.append((f"seconds per round ({clients} clients, 3 workers, traffic {args.traffic})", f"{run_s:.3f}",
                      f"{sim_s:.3f} (simulator)", f"{run_s / sim_s:.2f}x", "<= 1.25x"))
         rows.append(("final test accuracy", f"{run_acc:.4f}", f"{sim_acc:.4f} (simulator)", "", ""))
@@ -394,11 +496,15 @@ def main() -> None:
         for phase, seconds in phases.items():
             print(f"| {phase} | {seconds:.3f} | {seconds / total:.0%} |")
         print(f"| all | {total:.3f} | |")
-        print("\nCPU seconds per round (user + system; every round, the first included): the simulator "
+        print("\nCPU seconds per round (user + system; the simulator: every round, the first included; the runtime: "
+              "from the first round's end to the last's, as its seconds per round): the simulator "
               f"{sim_cpu:.3f}; the runtime's workers {cpu['workers']:.3f}, its other services "
               f"{cpu['services']:.3f}, the RabbitMQ node(s) on this machine {cpu['broker']:.3f}, together "
               f"{sum(cpu.values()):.3f} = {sum(cpu.values()) / sim_cpu:.2f}x the simulator's, on "
               f"{os.cpu_count()} cores")
+    if (idle := record.get("idle_service_queues")) is not None:
+        print(f"\nthe broker held {idle['all'] + idle['deployment']} service queues no consumer reads when the run "
+              f"began ({idle['all']} bound to every key, which get a copy of every event and command)")
     print(f"\nappended to {args.out} (commit {record['commit']}, load {record['load_before']:.2f} -> "
           f"{record['load_after']:.2f})")
 

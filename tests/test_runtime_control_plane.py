@@ -33,7 +33,7 @@ from dfca.runtime.sharding import assignment, clients_of
 from dfca.runtime.worker_agent import WorkerAgent
 from dfca.simulator import prepare
 from dfca.transport import InMemoryBroker, InMemoryTransport
-from dfca.transport.broker_setup import ensure_broker_topology
+from dfca.transport.broker_setup import bind_to_deployment, ensure_broker_topology
 from services.metrics.main import MetricsCollector
 from services.topology.main import create_app
 
@@ -380,3 +380,74 @@ def test_every_queue_a_deployment_declares_is_deleted_once_its_consumers_are_gon
     assert expected <= set(declared), sorted(declared)
     lasting = {name for name, limits in declared.items() if limits is None or not limits.expires_s}
     assert lasting == {topics.DEAD_LETTER_QUEUE}, lasting
+
+
+class ConfirmLog(InMemoryTransport):
+    """An in-memory transport that logs how each publish was made and when confirms were awaited."""
+
+    def __init__(self, broker: InMemoryBroker) -> None:
+        super().__init__(broker)
+        self.calls: list[str] = []
+
+    def publish_pipelined(self, messages: Any) -> None:
+        self.calls.append("pipelined")
+        InMemoryTransport.publish_many(self, messages)
+
+    def publish_many(self, messages: Any) -> None:
+        self.calls.append("confirmed")
+        super().publish_many(messages)
+
+    def await_confirms(self) -> None:
+        self.calls.append("await")
+        super().await_confirms()
+
+
+def test_a_deployments_service_queues_get_its_own_messages_only(broker: InMemoryBroker, tmp_path: Path) -> None:
+    """Control commands and events are keyed by deployment, and each service's queue is bound to its own
+    deployment's keys: a queue another stack left on the broker (a finished test's, a benchmark's) receives nothing of
+    this one's traffic. An upgraded queue loses the bind-everything key earlier versions gave it. A worker's round
+    report is handed over without awaiting its confirm, which the worker's next event awaits first."""
+    ensure_broker_topology(InMemoryTransport(broker))
+    left_over = InMemoryTransport(broker)  # another deployment's queues, one of them bound the old way too
+    for exchange, queue in ((topics.METRICS_EXCHANGE, topics.events_queue("dold", "metrics")),
+                            (topics.CONTROL_EXCHANGE, topics.worker_control_queue("dold", 0))):
+        left_over.declare_queue(queue)
+        bind_to_deployment(left_over, queue, exchange, "dold")
+    upgraded = topics.events_queue("dtest", "metrics")
+    left_over.declare_queue(upgraded)
+    left_over.bind(upgraded, topics.METRICS_EXCHANGE, topics.ALL_KEYS)
+
+    coordinator = Coordinator(InMemoryTransport(broker), "dtest", workers=1)
+    coordinator.open()
+    store = MetricsStore(f"sqlite:///{tmp_path / 'metrics.db'}")
+    collector = MetricsCollector(InMemoryTransport(broker), store, "dtest")
+    collector.open()  # binds `upgraded` to dtest's keys and drops its "#"
+    agent = WorkerAgent("dtest", 0, 1, lambda _prefetch: InMemoryTransport(broker), tmp_path / "checkpoints", None)
+    agent.start()
+    reporting = ConfirmLog(broker)
+    reporter = WorkerAgent("dtest", 1, 2, lambda _prefetch: reporting, tmp_path / "checkpoints", None)
+    try:
+        with TestClient(create_app(coordinator, TOKEN, "memory://")) as client:
+            experiment = client.post("/experiments", json=small(), headers=AUTH).json()["id"]
+            assert client.post(f"/experiments/{experiment}:start", headers=AUTH).status_code == 200
+        for t in (1, 2):
+            reporter.emit(RoundReport(deployment="dtest", experiment=experiment, worker=1, incarnation="i", round=t,
+                                      clients=[], complete=True, seconds=0.1))
+        reporter.emit(WorkerEvent(deployment="dtest", experiment=experiment, worker=1, incarnation="i",
+                                  state="finished", round=2))
+        assert reporting.calls == ["await", "pipelined", "await", "pipelined", "await", "confirmed"]
+        # this deployment's services heard the start and the events; the other deployment's queues nothing
+        assert experiment in agent.runners
+        assert (topics.ALL_KEYS not in {key for queue, key in broker.bindings[topics.METRICS_EXCHANGE]
+                                        if queue == upgraded})
+        for queue in (topics.events_queue("dold", "metrics"), topics.worker_control_queue("dold", 0)):
+            assert left_over.receive(queue) is None, queue
+        # the keys name the deployment first, and a dead letter's experiment is read past it
+        key = topics.metrics_key("dtest", experiment, "round")
+        assert key.startswith("dtest.") and topics.experiment_of_key(topics.METRICS_EXCHANGE, key) == experiment
+        model_key = topics.model_key(experiment, "worker-0", 3, 0)
+        assert topics.experiment_of_key(topics.MODELS_EXCHANGE, model_key) == experiment
+    finally:
+        agent.shutdown(2.0)
+        reporter.shutdown(1.0)
+        collector.close()

@@ -131,7 +131,7 @@ def test_forged_reports_are_dead_lettered_and_the_service_keeps_answering(tmp_pa
 
         def publish(document: Any) -> None:
             body = document if isinstance(document, bytes) else encode(document)
-            publisher.publish(topics.METRICS_EXCHANGE, topics.metrics_key("m1", "round"), body)
+            publisher.publish(topics.METRICS_EXCHANGE, topics.metrics_key("d", "m1", "round"), body)
 
         publish(ExperimentEvent(deployment="d", experiment="m1", status="running", config=CFG, at=1000.0))
         publish(report(0, 1))

@@ -146,8 +146,10 @@ def test_end_to_end_over_rest_with_bad_input(rabbitmq_url: str, tmp_path: Path) 
         sender = max(graph.nodes, key=graph.degree)  # its bad models reach the most clients
         impostor = next(c for c in graph.nodes if c != sender)
         bad = bad_model_messages(experiment, sender, impostor)
+        deployment = topics.deployment_tag(f"http://127.0.0.1:{topology_port}")  # the stack's (DFCA_TOPOLOGY_URL)
         publish_raw(rabbitmq_url, [(topics.MODELS_EXCHANGE, key, body, h) for _, key, body, h in bad]
-                    + [(topics.CONTROL_EXCHANGE, topics.control_key(experiment, "start"), b"\x00not json", {})])
+                    + [(topics.CONTROL_EXCHANGE, topics.control_key(deployment, experiment, "start"),
+                        b"\x00not json", {})])
 
         final = api.wait_finished(experiment)
         assert final["status"] == "completed", final
@@ -192,14 +194,14 @@ def ready(api: Api) -> bool:
 
 
 # -- equivalence --------------------------------------------------------------------------------------------
-def poison_on_every_exchange(experiment: str) -> list[tuple[str, str, bytes, dict[str, str]]]:
+def poison_on_every_exchange(deployment: str, experiment: str) -> list[tuple[str, str, bytes, dict[str, str]]]:
     """One message per exchange whose chunk headers cannot be valid (part 5 of 1): it used to raise inside the
     transport's delivery callback, abort the connection and come back for good."""
     pill = {"x-chunk-id": "pill", "x-chunk-index": "5", "x-chunk-count": "1"}
     return [(topics.MODELS_EXCHANGE, topics.model_key(experiment, host_of(client, WORKERS), client, 0), b"pill", pill)
             for client in range(12)] \
-        + [(topics.CONTROL_EXCHANGE, topics.control_key(experiment, "stop"), b"pill", pill),
-           (topics.METRICS_EXCHANGE, topics.metrics_key(experiment, "round"), b"pill", pill),
+        + [(topics.CONTROL_EXCHANGE, topics.control_key(deployment, experiment, "stop"), b"pill", pill),
+           (topics.METRICS_EXCHANGE, topics.metrics_key(deployment, experiment, "round"), b"pill", pill),
            (topics.DEAD_LETTER_EXCHANGE, f"{experiment}.pill", b"pill", pill)]
 
 
@@ -212,7 +214,8 @@ def test_synchronous_batch_run_matches_the_simulator_through_poison_messages(sta
     api = Api.of(stack)
     experiment = api.create_and_start(cfg)
     api.wait_round(experiment, 1)
-    publish_raw(rabbitmq_url, poison_on_every_exchange(experiment))
+    publish_raw(rabbitmq_url, poison_on_every_exchange(topics.deployment_tag(stack.options.topology_url),
+                                                       experiment))
     assert api.wait_finished(experiment)["status"] == "completed"
     summary = api.summary(experiment)
     assert summary["messages"]["timeouts"] == 0

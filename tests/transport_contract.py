@@ -228,6 +228,11 @@ class TransportContract:
         dead_letter = must_receive(transport, dead)
         assert (dead_letter.body, dead_letter.routing_key) == (b"poison", "exp.7.1")
         assert dead_letter.headers["reason"] == "test"
+        # where it was published and why it died, as RabbitMQ says the first time (the metrics service files dead
+        # letters under the experiment their routing key names on that exchange)
+        assert dead_letter.headers["x-first-death-exchange"] == exchange
+        assert dead_letter.headers["x-first-death-queue"] == queue
+        assert dead_letter.headers["x-first-death-reason"] == "rejected"
         transport.ack(dead_letter)
         assert transport.receive(queue, QUIET_S) is None
 
@@ -248,6 +253,7 @@ class TransportContract:
         assert [m.body for m in kept] == [b"m2", b"m3", b"m4"] and transport.receive(by_length, QUIET_S) is None
         dropped = [must_receive(transport, dead) for _ in range(2)]
         assert sorted(m.body for m in dropped) == [b"m0", b"m1"]
+        assert {m.headers["x-first-death-reason"] for m in dropped} == {"maxlen"}
         newest = [must_receive(transport, by_bytes) for _ in range(2)]
         assert [m.body[0] for m in newest] == [3, 4] and transport.receive(by_bytes, QUIET_S) is None
         for message in kept + dropped + newest:

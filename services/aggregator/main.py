@@ -33,9 +33,9 @@ from dfca.runtime.messages import (
 from dfca.runtime.structured_logs import configure_logging
 from dfca.runtime.worker_agent import running_specs
 from dfca.settings import ServiceSettings
-from dfca.topics import ALL_EVENTS, aggregator_control_queue, deployment_tag
+from dfca.topics import aggregator_control_queue, deployment_tag
 from dfca.transport import connect_transport
-from dfca.transport.broker_setup import ensure_broker_topology
+from dfca.transport.broker_setup import bind_to_deployment, ensure_broker_topology
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class Aggregator:
     def open(self) -> None:
         ensure_broker_topology(self.transport)
         self.transport.declare_queue(self.queue, topics.DEAD_LETTER_EXCHANGE, topics.SERVICE_QUEUE_LIMITS)
-        self.transport.bind(self.queue, topics.CONTROL_EXCHANGE, ALL_EVENTS)
+        bind_to_deployment(self.transport, self.queue, topics.CONTROL_EXCHANGE, self.deployment)
         self.thread.start()
         threading.Thread(target=self._presence_loop, name="aggregator-presence", daemon=True).start()
         if self.topology_url:
@@ -72,7 +72,7 @@ class Aggregator:
             while not self.stopping.is_set():
                 try:
                     presence = PresenceEvent(role="aggregator", deployment=self.deployment, worker=0, workers=1)
-                    transport.publish(topics.METRICS_EXCHANGE, topics.PRESENCE_KEY, encode(presence))
+                    transport.publish(topics.METRICS_EXCHANGE, topics.presence_key(self.deployment), encode(presence))
                 except Exception as err:  # the transport retries; a missed announcement is harmless
                     log.warning("presence announcement failed: %s", err)
                 self.stopping.wait(HEARTBEAT_S)

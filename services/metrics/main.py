@@ -43,9 +43,9 @@ from dfca.runtime.prometheus_export import RuntimeCollector
 from dfca.runtime.run_summary import final_evaluation, history, summary_of
 from dfca.runtime.structured_logs import configure_logging
 from dfca.settings import ServiceSettings
-from dfca.topics import ALL_EVENTS, dead_letter_tap_queue, deployment_tag, events_queue
+from dfca.topics import dead_letter_tap_queue, deployment_tag, events_queue
 from dfca.transport import Transport, connect_transport
-from dfca.transport.broker_setup import ensure_broker_topology
+from dfca.transport.broker_setup import bind_to_deployment, ensure_broker_topology
 
 log = logging.getLogger(__name__)
 DEAD_LETTER_BATCH = 500
@@ -70,7 +70,7 @@ class MetricsCollector:
     def open(self) -> None:
         ensure_broker_topology(self.transport)
         self.transport.declare_queue(self.events, topics.DEAD_LETTER_EXCHANGE, topics.SERVICE_QUEUE_LIMITS)
-        self.transport.bind(self.events, topics.METRICS_EXCHANGE, ALL_EVENTS)
+        bind_to_deployment(self.transport, self.events, topics.METRICS_EXCHANGE, self.deployment)
         self.transport.declare_queue(self.dead_letters, limits=topics.DEAD_LETTER_TAP_LIMITS)
         self.transport.bind(self.dead_letters, topics.DEAD_LETTER_EXCHANGE, "")
         self.thread.start()
@@ -101,9 +101,9 @@ class MetricsCollector:
             taken.append(message)
         if not taken:
             return
-        self.store.record_dead_letters([
-            (m.routing_key.split(".", 1)[0], str(m.headers.get("x-first-death-exchange", m.exchange)), m.routing_key)
-            for m in taken])
+        exchanges = [str(m.headers.get("x-first-death-exchange", m.exchange)) for m in taken]
+        self.store.record_dead_letters([(topics.experiment_of_key(exchange, m.routing_key), exchange, m.routing_key)
+                                        for m, exchange in zip(taken, exchanges, strict=True)])
         for message in taken:
             self.transport.ack(message)
 

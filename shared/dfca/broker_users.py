@@ -107,10 +107,19 @@ def _worker_control_queue(ordinal: int) -> str:
     return re.escape(topics.worker_control_queue(probe, ordinal)).replace(probe, WORD)
 
 
+PRESENCE_KEYS = re.escape(topics.presence_key("DEPLOYMENTWORD")).replace("DEPLOYMENTWORD", WORD)
+
+
+def event_keys(*kinds: str) -> list[str]:
+    """dfca.metrics keys of any deployment and experiment (topics.metrics_key) of these kinds."""
+    probe = re.escape(topics.metrics_key("DEPLOYMENTWORD", "EXPERIMENTWORD", "KINDWORD"))
+    return [probe.replace("DEPLOYMENTWORD", WORD).replace("EXPERIMENTWORD", WORD).replace("KINDWORD", kind)
+            for kind in kinds]
+
+
 def worker_event_keys(ordinal: int) -> str:
     """What a worker may publish on dfca.metrics: its events (not an experiment's status) and its presence."""
-    kinds = ("round", "worker", "final_models")
-    return _any(*(rf"{WORD}\.{kind}" for kind in kinds), re.escape(topics.PRESENCE_KEY))
+    return _any(*event_keys("round", "worker", "final_models"), PRESENCE_KEYS)
 
 
 def permissions_of(principal: str) -> Permissions:
@@ -121,7 +130,7 @@ def permissions_of(principal: str) -> Permissions:
             configure=_any(*EXCHANGES, *queues),
             write=_any(CONTROL, EVENTS, DLX, *queues),
             read=_any(MODELS, EVENTS, DLX, *queues),
-            topics={topics.METRICS_EXCHANGE: (_any(rf"{WORD}\.experiment"), ANY_KEY),
+            topics={topics.METRICS_EXCHANGE: (_any(*event_keys("experiment")), ANY_KEY),
                     topics.MODELS_EXCHANGE: (NOTHING, ANY_KEY)})
     if principal == principals.METRICS:
         own = (_own_queue("events-metrics"), _own_queue("tap"))
@@ -134,7 +143,7 @@ def permissions_of(principal: str) -> Permissions:
         return Permissions(
             configure=_any(*own), write=_any(MODELS, EVENTS, DLX, *own), read=_any(MODELS, CONTROL, *own),
             topics={topics.MODELS_EXCHANGE: (_any(server_keys), ANY_KEY),
-                    topics.METRICS_EXCHANGE: (_any(re.escape(topics.PRESENCE_KEY)), ANY_KEY)})
+                    topics.METRICS_EXCHANGE: (_any(PRESENCE_KEYS), ANY_KEY)})
     match = re.fullmatch(r"worker-([0-9]+)", principal)
     if match is None:
         raise ValueError(f"{principal!r} is not a principal")

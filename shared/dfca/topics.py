@@ -127,15 +127,39 @@ def server_binding(experiment: str) -> str:
     return f"{check_word(experiment, 'experiment id')}.{principals.AGGREGATOR}.{SERVER_WORD}.*"
 
 
-def control_key(experiment: str, event: str) -> str:
-    return f"{check_word(experiment, 'experiment id')}.{check_word(event, 'event')}"
+# Control commands and events are keyed by their deployment first, and a service's queue is bound to its own
+# deployment's keys only (`deployment_keys`): on a broker that several stacks share, or that outlived many (every test
+# and benchmark run makes one), a queue receives nothing of another deployment. (Bound to every key, as before, each
+# left-over queue of a stack that was gone received a copy of every event of every later stack until it expired:
+# 150 such queues on this project's broker took 0.13 CPU-s a round of the runtime benchmark, 2.5x what the broker
+# spent on the run itself; docs/performance.md.)
 
 
-PRESENCE_KEY = "deployment.presence"  # routing key of worker presence events on dfca.metrics
+def control_key(deployment: str, experiment: str, event: str) -> str:
+    return (f"{check_word(deployment, 'deployment')}.{check_word(experiment, 'experiment id')}."
+            f"{check_word(event, 'event')}")
 
 
-def metrics_key(experiment: str, kind: str) -> str:
-    return f"{check_word(experiment, 'experiment id')}.{check_word(kind, 'metric kind')}"
+def presence_key(deployment: str) -> str:
+    """Routing key of a deployment's presence events (workers, the aggregator) on dfca.metrics."""
+    return f"{check_word(deployment, 'deployment')}.presence"
+
+
+def metrics_key(deployment: str, experiment: str, kind: str) -> str:
+    return (f"{check_word(deployment, 'deployment')}.{check_word(experiment, 'experiment id')}."
+            f"{check_word(kind, 'metric kind')}")
+
+
+def experiment_of_key(exchange: str, routing_key: str) -> str:
+    """The experiment a routing key names (its first word on dfca.models, its second on dfca.control and
+    dfca.metrics after the deployment); the first word of a key that does not say."""
+    words = routing_key.split(".")
+    return words[1] if exchange in (CONTROL_EXCHANGE, METRICS_EXCHANGE) and len(words) > 2 else words[0]
+
+
+def deployment_keys(deployment: str) -> str:
+    """Binding key: every command or event of one deployment, whatever experiment and kind."""
+    return f"{check_word(deployment, 'deployment')}.#"
 
 
 # -- the runtime services' own consumer queues ------------------------------------------------
@@ -167,4 +191,4 @@ def dead_letter_tap_queue(deployment: str) -> str:
     return f"dfca.dead-letter.{check_word(deployment, 'deployment')}.tap"
 
 
-ALL_EVENTS = "#"  # binding key: every experiment, every kind
+ALL_KEYS = "#"  # binding key: everything; service queues were bound so before `deployment_keys` (unbound at start-up)

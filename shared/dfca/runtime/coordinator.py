@@ -42,9 +42,9 @@ from dfca.runtime.messages import (
     encode,
     event_principal,
 )
-from dfca.topics import ALL_EVENTS, events_queue
+from dfca.topics import events_queue
 from dfca.transport import Transport
-from dfca.transport.broker_setup import ensure_broker_topology
+from dfca.transport.broker_setup import bind_to_deployment, ensure_broker_topology
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Coordinator:
         ensure_broker_topology(self.transport)
         queue = events_queue(self.deployment, "topology")
         self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.SERVICE_QUEUE_LIMITS)
-        self.transport.bind(queue, topics.METRICS_EXCHANGE, ALL_EVENTS)
+        bind_to_deployment(self.transport, queue, topics.METRICS_EXCHANGE, self.deployment)
         self.consumer = QueueConsumer(self.transport, queue, decode_event, self.on_event, event_principal)
         self._thread = threading.Thread(target=self._loop, name="coordinator", daemon=True)
         self._thread.start()
@@ -321,15 +321,15 @@ class Coordinator:
 
     # -- publishing and persistence -------------------------------------------------------------------
     def _control(self, command: StartCommand | GoCommand | StopCommand | TopologyChange) -> None:
-        self.transport.publish(topics.CONTROL_EXCHANGE, topics.control_key(command.experiment, command.kind),
-                               encode(command))
+        key = topics.control_key(self.deployment, command.experiment, command.kind)
+        self.transport.publish(topics.CONTROL_EXCHANGE, key, encode(command))
 
     def _changed(self, record: ExperimentRecord, announce: bool = True) -> None:
         if announce:
             event = ExperimentEvent(deployment=self.deployment, experiment=record.id, status=record.status,
                                     config=record.config, failed_clients=record.failed_clients)
-            self.transport.publish(topics.METRICS_EXCHANGE, topics.metrics_key(record.id, "experiment"),
-                                   encode(event))
+            key = topics.metrics_key(self.deployment, record.id, "experiment")
+            self.transport.publish(topics.METRICS_EXCHANGE, key, encode(event))
         if self.state_dir is not None:
             try:
                 self.state_dir.mkdir(parents=True, exist_ok=True)

@@ -37,9 +37,9 @@ from dfca.runtime.messages import (
     encode,
 )
 from dfca.settings import service_auth
-from dfca.topics import ALL_EVENTS, worker_control_queue
+from dfca.topics import worker_control_queue
 from dfca.transport import Transport
-from dfca.transport.broker_setup import ensure_broker_topology
+from dfca.transport.broker_setup import bind_to_deployment, ensure_broker_topology
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class WorkerAgent:
     def start(self) -> None:
         ensure_broker_topology(self.transport)
         self.transport.declare_queue(self.queue, topics.DEAD_LETTER_EXCHANGE, topics.SERVICE_QUEUE_LIMITS)
-        self.transport.bind(self.queue, topics.CONTROL_EXCHANGE, ALL_EVENTS)
+        bind_to_deployment(self.transport, self.queue, topics.CONTROL_EXCHANGE, self.deployment)
         for name, target in (("control", self._control_loop), ("heartbeat", self._heartbeat_loop),
                              ("recover", self._recover_loop)):
             thread = threading.Thread(target=target, name=f"worker-{name}", daemon=True)
@@ -139,8 +139,17 @@ class WorkerAgent:
         runner.start()
 
     def emit(self, event: RoundReport | WorkerEvent | FinalModelsShare) -> None:
-        self.transport.publish(topics.METRICS_EXCHANGE, topics.metrics_key(event.experiment, event.kind),
-                               encode(event))
+        """Publish a runner's event. A round's report does not hold up the next round: it is handed over without
+        waiting for the broker's confirm, which the runner's next event awaits first (a refusal, or no confirm
+        within the transport's publish timeout, raises TransportError there, one round later; a lost connection
+        resends it). Every other event returns once the broker has it, and so do the reports before it."""
+        self.transport.await_confirms()
+        message = (topics.METRICS_EXCHANGE, topics.metrics_key(event.deployment, event.experiment, event.kind),
+                   encode(event), None)
+        if isinstance(event, RoundReport):
+            self.transport.publish_pipelined([message])
+        else:
+            self.transport.publish_many([message])
 
     # -- threads ------------------------------------------------------------------------------------------
     def _control_loop(self) -> None:
@@ -152,9 +161,13 @@ class WorkerAgent:
                 runners = [r for r in self.runners.values() if not r.finished]
             try:
                 presence = PresenceEvent(deployment=self.deployment, worker=self.ordinal, workers=self.workers)
-                self.transport.publish(topics.METRICS_EXCHANGE, topics.PRESENCE_KEY, encode(presence))
-                for runner in runners:
-                    self.emit(runner.worker_event())
+                self.transport.publish(topics.METRICS_EXCHANGE, topics.presence_key(self.deployment),
+                                       encode(presence))
+                for runner in runners:  # not emit: awaiting a runner's round report is the runner's business
+                    event = runner.worker_event()
+                    self.transport.publish(topics.METRICS_EXCHANGE,
+                                           topics.metrics_key(event.deployment, event.experiment, event.kind),
+                                           encode(event))
             except Exception as err:  # the transport retries; a missed heartbeat is harmless
                 log.warning("heartbeat failed: %s", err)
             if self.stopping.wait(HEARTBEAT_S):

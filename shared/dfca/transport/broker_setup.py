@@ -1,6 +1,8 @@
 """dfca's broker topology: the exchanges of `dfca.topics` and the dead-letter queue.
 
 - `ensure_broker_topology(transport)`: services call it at start; idempotent, on any `Transport`.
+- `bind_to_deployment(transport, queue, exchange, deployment)`: a service's queue of commands or events, bound to
+  its deployment's keys only.
 - `broker_definitions(password_hash)`: the RabbitMQ definitions document (vhost `dfca`, user
   `dfca`, permissions, exchanges, dead-letter queue and binding). `broker/definitions.json` is
   this document with the local-development password `dfca`; a test keeps them equal.
@@ -46,6 +48,14 @@ def ensure_broker_topology(transport: Transport) -> None:
         if "403" not in str(err):
             raise
         log.info("broker user %r may not declare dfca's exchanges (%s): using the broker's", transport.user, err)
+
+
+def bind_to_deployment(transport: Transport, queue: str, exchange: str, deployment: str) -> None:
+    """Bind a service's queue of commands or events to its own deployment's keys (topics.deployment_keys), and
+    remove the bind-everything key that earlier versions gave it (its queue is durable: an upgraded deployment
+    would go on receiving every other stack's messages)."""
+    transport.bind(queue, exchange, topics.deployment_keys(deployment))
+    transport.unbind(queue, exchange, topics.ALL_KEYS)
 
 
 def rabbitmq_password_hash(password: str, salt: bytes | None = None) -> str:

@@ -60,10 +60,17 @@ class InMemoryBroker:
         while queue.ready and ((limits.max_length is not None and len(queue.ready) > limits.max_length) or
                                (limits.max_bytes is not None and
                                 sum(len(m.body) for m in queue.ready) > limits.max_bytes)):
-            dropped = queue.ready.popleft()
-            if queue.dead_letter_exchange in self.exchanges:
-                self.route(queue.dead_letter_exchange, dropped.routing_key, dropped.body, dropped.headers,
-                           dropped.publisher)
+            self.dead_letter(queue, queue.ready.popleft(), "maxlen")
+
+    def dead_letter(self, queue: _Queue, message: Message, reason: str) -> None:
+        """To the queue's dead-letter exchange, if it has one, with the headers RabbitMQ adds the first time a
+        message dies: where it was published, the queue it died in and why. Holds the lock."""
+        if queue.dead_letter_exchange not in self.exchanges:
+            return
+        first = {"x-first-death-exchange": message.exchange, "x-first-death-queue": queue.name,
+                 "x-first-death-reason": reason}
+        self.route(queue.dead_letter_exchange, message.routing_key, message.body, first | dict(message.headers),
+                   message.publisher)
 
 
 class InMemoryTransport(Transport):
@@ -169,8 +176,8 @@ class InMemoryTransport(Transport):
             if requeue:
                 q.ready.appendleft(replace(msg, redelivered=True))
                 self.broker.lock.notify_all()
-            elif q.dead_letter_exchange and q.dead_letter_exchange in self.broker.exchanges:
-                self.broker.route(q.dead_letter_exchange, msg.routing_key, msg.body, msg.headers, msg.publisher)
+            else:
+                self.broker.dead_letter(q, msg, "rejected")
 
     def close(self) -> None:
         """Close the connection; its unacknowledged messages go back to their queues, as in AMQP."""
