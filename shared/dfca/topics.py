@@ -9,6 +9,9 @@ its permissions cover only its own queues), bound to `<experiment_id>.*.<neighbo
 neighbour of any client it hosts (and to `<experiment_id>.aggregator.server.*` when its algorithm has a
 server), so routing is keyed by sender and cluster id: the broker delivers each message to a worker once,
 and the worker's message driver hands it to every hosted client that neighbours its sender.
+
+Control commands (`dfca.control`) and events (`dfca.metrics`) are keyed `<deployment>.<experiment_id>.<kind>`
+(presence: `<deployment>.presence`), and each service's queue is bound to `<deployment>.#` only.
 """
 
 from __future__ import annotations
