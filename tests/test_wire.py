@@ -21,6 +21,7 @@ from dfca.wire import (
     encode_message,
     headers_of,
     message_bytes,
+    quantize_rows,
     sha256,
 )
 
@@ -251,3 +252,28 @@ def test_an_index_must_be_an_integer() -> None:
     tensors = {**{n: t for n, t in seed.tensors.items()}, "origin": torch.tensor(3.0)}
     body, headers = resigned(tensors, seed, SEED)
     assert rejected(lambda: decode(body, headers, SEED)) == "dtype"
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float32, torch.float16])
+def test_an_outbox_quantized_in_one_call_encodes_each_message_byte_for_byte_as_alone(dtype: torch.dtype) -> None:
+    """quantize_rows rounds a whole outbox [S, ...] in one call per tensor (the message driver's publish); each
+    message encoded from its row's codes is the same body, headers and local copy as encoding it alone, ragged
+    payloads (a first dimension cut to the message's length) included."""
+    g = torch.Generator().manual_seed(3)
+    spec: Spec = {**GOSSIP, "num.w": TensorSpec((2, 3, 4), ragged=True)}
+    outbox = {"num.w": torch.randn(5, 2, 3, 4, generator=g) * torch.logspace(-3, 3, 5).view(5, 1, 1, 1),
+              "num.b": torch.randn(5, 2, 4, generator=g), "den": torch.rand(5, 2, generator=g)}
+    outbox["num.w"][2] = 0.0  # a row of zeros: scale 0
+    codes = quantize_rows(spec, outbox, dtype)
+    assert set(codes) == ({"num.w", "num.b"} if dtype == torch.int8 else set())
+    for s, rows in enumerate([2, 1, 2, 2, 1]):
+        tensors = {"num.w": outbox["num.w"][s][:rows], "num.b": outbox["num.b"][s], "den": outbox["den"][s]}
+        envelope = Envelope("exp1", 7, 3, "gossip", 2, 1, tensors)
+        mine = {n: (c[s][:rows], scale[s][:rows]) if spec[n].ragged else (c[s], scale[s])
+                for n, (c, scale) in codes.items()}
+        alone_copy: dict[str, torch.Tensor] = {}
+        batched_copy: dict[str, torch.Tensor] = {}
+        assert encode_message(envelope, spec, dtype, alone_copy) == encode_message(envelope, spec, dtype,
+                                                                                   batched_copy, mine)
+        assert alone_copy.keys() == batched_copy.keys()
+        assert all(torch.equal(alone_copy[n], batched_copy[n]) for n in alone_copy)

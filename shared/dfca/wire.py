@@ -90,21 +90,37 @@ def _wire_dtype(spec: TensorSpec, model_dtype: torch.dtype) -> torch.dtype:
     return {"model": model_dtype, "float32": torch.float32, "float64": torch.float64, "int64": torch.int64}[spec.kind]
 
 
+Codes = tuple[torch.Tensor, torch.Tensor]  # a model tensor's int8 codes and float32 scales on the CPU (core.quantize)
+
+
+def quantize_rows(spec: Spec, tensors: Mapping[str, torch.Tensor], model_dtype: torch.dtype) -> dict[str, Codes]:
+    """Under int8, the (codes, scale) of every model tensor of an outbox, [R, ...] whole, in one call each: the
+    codes of row r are those `encode_message` computes for that row's message alone (a scale per row of the last
+    dimension), without R small calls. Nothing under other payload dtypes, or for a tensor without a dimension
+    beside the rows."""
+    if model_dtype != torch.int8:
+        return {}
+    return {n: quantize(tensors[n].detach().to("cpu")) for n, s in spec.items()
+            if s.kind == "model" and tensors[n].dim() >= 2}
+
+
 def encode_message(
     envelope: Envelope, spec: Spec, model_dtype: torch.dtype = torch.float32,
-    received: dict[str, torch.Tensor] | None = None,
+    received: dict[str, torch.Tensor] | None = None, quantized: Mapping[str, Codes] | None = None,
 ) -> tuple[bytes, dict[str, str]]:
     """The message's body and headers. `received`: filled, where given, with what decoding the message gives (CPU
     tensors of its own, as_received's values), from the codes just computed: a sender's copy for receivers in its
-    own process."""
+    own process. `quantized`: under int8, model tensors' (codes, scale) on the CPU already computed (`quantize_rows`:
+    a whole outbox in one call), used instead of the envelope's values, which are then not read."""
     tensors: dict[str, torch.Tensor] = {}
     for n, s in spec.items():
-        t = envelope.tensors[n].detach().to("cpu")
         if s.kind == "model" and model_dtype == torch.int8:
-            tensors[n], tensors[n + SCALE] = quantize(t)
+            given = quantized.get(n) if quantized is not None else None
+            tensors[n], tensors[n + SCALE] = given or quantize(envelope.tensors[n].detach().to("cpu"))
             if received is not None:
                 received[n] = dequantize(tensors[n], tensors[n + SCALE])
         else:
+            t = envelope.tensors[n].detach().to("cpu")
             tensors[n] = t.to(_wire_dtype(s, model_dtype))
             if received is not None:  # a copy: what was sent may be state that folding changes in place
                 received[n] = (tensors[n].to(t.dtype) if s.kind == "model" else t).clone()

@@ -21,7 +21,7 @@ def _rows(x: Tensor) -> tuple[Tensor, Tensor]:
     x = x.detach().float()
     rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
     peak = torch.maximum(rows.amax(1), -rows.amin(1))  # max |x_rc| without an |x| copy (aminmax is slower here)
-    return rows, peak / LEVELS
+    return rows, peak.abs_() / LEVELS  # abs: a row of zeros has scale +0, whichever zero maximum(0, -0) gives
 
 
 def _codes(rows: Tensor, scale: Tensor) -> Tensor:
@@ -48,7 +48,7 @@ def round_trip_into(x: Tensor, out: Tensor) -> Tensor:
     again and again."""
     rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
     dest = out.view(rows.shape)
-    scale = torch.maximum(rows.amax(1), -rows.amin(1)).float().div_(LEVELS)
+    scale = torch.maximum(rows.amax(1), -rows.amin(1)).float().abs_().div_(LEVELS)
     torch.div(rows, scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1), out=dest)
     dest.round_().clamp_(-LEVELS, LEVELS).mul_(scale.unsqueeze(1))
     return out

@@ -63,7 +63,16 @@ from dfca.runtime.host_transport import RunInterrupted
 from dfca.runtime.liveness import NeighbourLiveness
 from dfca.transport import Message, Transport
 from dfca.transport.broker_setup import ensure_broker_topology
-from dfca.wire import PAYLOAD_DTYPES, Envelope, PayloadRejected, Spec, decode_message, encode_message, message_bytes
+from dfca.wire import (
+    PAYLOAD_DTYPES,
+    Envelope,
+    PayloadRejected,
+    Spec,
+    decode_message,
+    encode_message,
+    message_bytes,
+    quantize_rows,
+)
 
 log = logging.getLogger(__name__)
 # A live neighbour is a round or two ahead at most (it waits for this client's messages, or a deadline, in every
@@ -317,6 +326,7 @@ class MessageDriver:
         check_finite(self.algorithm, self.round,
                      {n: out.tensors[n] for n in spec if n in models or n.split(".", 1)[-1] in models})
         batch, sent, local = [], 0, []
+        codes = quantize_rows(spec, out.tensors, self.model_dtype)  # every row's 8-bit codes at once
         for s, (row, part) in enumerate(zip(out.row.tolist(), out.part.tolist(), strict=True)):
             sender = self.ids[row]
             rows = None if out.lengths is None else int(out.lengths[s])
@@ -324,7 +334,9 @@ class MessageDriver:
                                 {n: out.tensors[n][s][:rows] if spec[n].ragged else out.tensors[n][s] for n in spec})
             hearing = self.rows_hearing(sender, ex) if sender in self.hosted else []
             received: dict[str, torch.Tensor] | None = {} if hearing else None
-            body, headers = encode_message(envelope, spec, self.model_dtype, received)
+            mine = {n: (c[s][:rows], scale[s][:rows]) if spec[n].ragged else (c[s], scale[s])
+                    for n, (c, scale) in codes.items()}
+            body, headers = encode_message(envelope, spec, self.model_dtype, received, mine)
             key = topics.model_key(self.experiment, self.host_of(sender), sender, part)
             batch.append((topics.MODELS_EXCHANGE, key, body, headers))
             if self.side == "clients":  # a client's traffic: the message once per receiver, as the simulator counts
