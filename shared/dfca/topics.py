@@ -134,8 +134,8 @@ def server_binding(experiment: str) -> str:
 # deployment's keys only (`deployment_keys`): on a broker that several stacks share, or that outlived many (every test
 # and benchmark run makes one), a queue receives nothing of another deployment. (Bound to every key, as before, each
 # left-over queue of a stack that was gone received a copy of every event of every later stack until it expired:
-# 150 such queues on this project's broker took 0.13 CPU-s a round of the runtime benchmark, 2.5x what the broker
-# spent on the run itself; docs/performance.md.)
+# the 456 such queues on this project's broker, ~150 on each exchange, cost it 0.13 CPU-s a round of the runtime
+# benchmark, twice what it spent on the run itself; docs/performance.md.)
 
 
 def control_key(deployment: str, experiment: str, event: str) -> str:

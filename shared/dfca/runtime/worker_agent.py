@@ -144,8 +144,7 @@ class WorkerAgent:
         within the transport's publish timeout, raises TransportError there, one round later; a lost connection
         resends it). Every other event returns once the broker has it, and so do the reports before it."""
         self.transport.await_confirms()
-        message = (topics.METRICS_EXCHANGE, topics.metrics_key(event.deployment, event.experiment, event.kind),
-                   encode(event), None)
+        message = (topics.METRICS_EXCHANGE, event_key(event), encode(event), None)
         if isinstance(event, RoundReport):
             self.transport.publish_pipelined([message])
         else:
@@ -165,9 +164,7 @@ class WorkerAgent:
                                        encode(presence))
                 for runner in runners:  # not emit: awaiting a runner's round report is the runner's business
                     event = runner.worker_event()
-                    self.transport.publish(topics.METRICS_EXCHANGE,
-                                           topics.metrics_key(event.deployment, event.experiment, event.kind),
-                                           encode(event))
+                    self.transport.publish(topics.METRICS_EXCHANGE, event_key(event), encode(event))
             except Exception as err:  # the transport retries; a missed heartbeat is harmless
                 log.warning("heartbeat failed: %s", err)
             if self.stopping.wait(HEARTBEAT_S):
@@ -204,6 +201,11 @@ class WorkerAgent:
 
     def ready(self) -> bool:
         return self.recovered.is_set() and not self.stopping.is_set()
+
+
+def event_key(event: RoundReport | WorkerEvent | FinalModelsShare) -> str:
+    """A runner's event's routing key on dfca.metrics."""
+    return topics.metrics_key(event.deployment, event.experiment, event.kind)
 
 
 def running_specs(topology_url: str, deployment: str, ordinal: int, device: str | None = None,
