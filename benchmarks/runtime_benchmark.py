@@ -463,7 +463,6 @@ def main() -> None:
               left_over_queues(args.broker, args.left_over_queues, args.left_over_binding)):
             record["idle_service_queues"] = idle_service_queues()
             run_s, run_acc, phases, cpu, by_phase = runtime_profile(cfg, args.broker, Path(tmp))
-
         rows.append((f"seconds per round ({clients} clients, 3 workers, traffic {args.traffic})", f"{run_s:.3f}",
                      f"{sim_s:.3f} (simulator)", f"{run_s / sim_s:.2f}x", "<= 1.25x"))
         rows.append(("final test accuracy", f"{run_acc:.4f}", f"{sim_acc:.4f} (simulator)", "", ""))
