@@ -1,7 +1,7 @@
 """One federated workload in this project's simulator and in three other FL frameworks, side by side.
 
     python benchmarks/peers.py --setup [--venvs DIR] [--only flwr,pfl,p2pfl]   # once: one venv per peer
-    python benchmarks/peers.py [--venvs DIR] [--only ifca,dfedavgm,flwr,pfl,p2pfl] [--clients 100] [--rounds 10]
+    python benchmarks/peers.py [--venvs DIR] [--only ifca,dfedavgm,flwr,pfl,p2pfl,torch] [--clients 100] [--rounds 10]
                                [--threads 2] [--out runs/peers/peers.md]
 
 The workload (FedAvg-style): an MLP 784-200-10 (ReLU) on the bundled rotated MNIST (rotation 0, dfca's loader),
@@ -17,6 +17,8 @@ conflicting protobuf/typer/numpy versions):
   flwr      Flower 1.42 Simulation Engine (Ray), legacy FedAvg strategy, one virtual SuperNode per client
   pfl       Apple pfl-research 0.6 SimulatedBackend, FederatedAveraging over all users every central iteration
   p2pfl     p2pfl 0.4.4 nodes in one process over its in-memory protocol, FedAvg, all nodes connected
+  torch     a reference, not a peer: the same FedAvg as a plain torch loop over clients (the autograd step every
+            peer trains with, nothing else), so a sitting's figures say what the machine gave per-client work then
 
 Measured, per run: client updates per second (clients x rounds / the rounds' seconds summed); seconds per round,
 the mean over rounds 2..R (round 1's warm-up left out; with one round, round 1); the total wall time of the
@@ -92,6 +94,7 @@ RUNS = {
     "flwr": Run("flwr", "Flower simulation (Ray), FedAvg", "run_flwr.py", venv="flwr"),
     "pfl": Run("pfl", "pfl-research SimulatedBackend, FedAvg", "run_pfl.py", venv="pfl"),
     "p2pfl": Run("p2pfl", "p2pfl in-memory nodes, FedAvg, all connected", "run_p2pfl.py", venv="p2pfl"),
+    "torch": Run("torch", "reference: plain torch loop over clients, FedAvg (no framework)", "run_torch.py"),
 }
 
 
@@ -284,15 +287,16 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    base = {r["run"]: r["seconds_per_round"] for r in rows if r["ok"] and r["run"] in ("ifca", "dfedavgm")}
+    base = {r["run"]: r["seconds_per_round"] for r in rows if r["ok"] and r["run"] in RATIO_TO}
     for row in rows:
-        for name in ("ifca", "dfedavgm"):
+        for name in RATIO_TO:
             if row["ok"] and name in base:
                 row[f"ratio_{name}"] = row["seconds_per_round"] / base[name]
 
 
+RATIO_TO = ("ifca", "dfedavgm", "torch")  # each run's s/round over these runs' (when they ran)
 COLUMNS = ["run", "clients x rounds", "updates/s", "s/round (2..R)", "wall s", "RSS tree MiB", "max proc MiB",
-           "test acc", "x IFCA", "x DFedAvgM", "status"]
+           "test acc", "x IFCA", "x DFedAvgM", "x torch loop", "status"]
 
 
 def cells(row: dict[str, Any]) -> list[str]:
@@ -303,6 +307,7 @@ def cells(row: dict[str, Any]) -> list[str]:
     return [row["run"], shape, num("updates_per_second", ".1f"), num("seconds_per_round", ".3f"),
             num("wall_seconds", ".1f"), num("peak_rss_tree_mib", ".0f"), num("max_proc_rss_mib", ".0f"),
             num("test_accuracy", ".4f"), num("ratio_ifca", ".2f"), num("ratio_dfedavgm", ".2f"),
+            num("ratio_torch", ".2f"),
             "ok" if row["ok"] else f"FAILED: {row['error']}"]
 
 
@@ -337,8 +342,9 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, data_notes: l
         f"{args.clients} x {args.test_per_client} test samples.", "",
         "s/round: mean over rounds 2..R (round 1 left out); updates/s: clients x rounds over the rounds' "
         "seconds; wall: the whole process; RSS tree: the process and its descendants summed (sampled every "
-        f"{SAMPLE_SECONDS} s); max proc: the largest single process's peak (VmHWM); x IFCA / x DFedAvgM: "
-        "s/round over that dfca run's.", "",
+        f"{SAMPLE_SECONDS} s); max proc: the largest single process's peak (VmHWM); x IFCA / x DFedAvgM / "
+        "x torch loop: s/round over that run's (the torch loop: the per-client autograd loop with no framework, "
+        "this sitting's floor for a framework that trains one client at a time).", "",
         "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
         *("| " + " | ".join(c.replace("|", "/") for c in cells(r)) + " |" for r in rows), "",
         *(f"- {line}" for line in notes(rows, data_notes)), "",
