@@ -10,11 +10,13 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save
 
 from dfca import topics
+from dfca.core.quantize import dequantize
 from dfca.wire import (
     Envelope,
     PayloadRejected,
     Spec,
     TensorSpec,
+    WireTensors,
     as_received,
     body_bytes,
     decode_message,
@@ -23,6 +25,8 @@ from dfca.wire import (
     message_bytes,
     quantize_rows,
     sha256,
+    shape_of,
+    stacked,
 )
 
 W0 = "worker-0"  # the host word of every client when one worker hosts them all
@@ -115,7 +119,7 @@ def test_the_senders_own_copy_is_what_the_receiver_decodes(dtype: torch.dtype) -
     """encode_message's `received` (a worker's copy for its own clients): the decoded values exactly, in tensors
     that do not share the sent ones' memory (folding changes the sent state in place)."""
     message = gossip_message()
-    received: dict[str, torch.Tensor] = {}
+    received = WireTensors()
     body, headers = encode_message(message, GOSSIP, dtype, received)
     got = decode(body, headers, GOSSIP)
     assert set(received) == set(GOSSIP)
@@ -271,9 +275,34 @@ def test_an_outbox_quantized_in_one_call_encodes_each_message_byte_for_byte_as_a
         envelope = Envelope("exp1", 7, 3, "gossip", 2, 1, tensors)
         mine = {n: (c[s][:rows], scale[s][:rows]) if spec[n].ragged else (c[s], scale[s])
                 for n, (c, scale) in codes.items()}
-        alone_copy: dict[str, torch.Tensor] = {}
-        batched_copy: dict[str, torch.Tensor] = {}
+        alone_copy, batched_copy = WireTensors(), WireTensors()
         assert encode_message(envelope, spec, dtype, alone_copy) == encode_message(envelope, spec, dtype,
                                                                                    batched_copy, mine)
         assert alone_copy.keys() == batched_copy.keys()
         assert all(torch.equal(alone_copy[n], batched_copy[n]) for n in alone_copy)
+
+
+def test_decoded_codes_are_stacked_as_the_floats_would_be() -> None:
+    """A decoded int8 payload keeps its model tensors as codes until read: reading one gives the dequantized values,
+    and `stacked` over many messages (codes stacked, dequantized once; the message driver's inbox) equals
+    torch.stack of each message's dequantized values bit for bit, also beside float payloads and a sender's own
+    copy, whose shapes `shape_of` gives without dequantizing."""
+    g = torch.Generator().manual_seed(4)
+    messages = [Envelope("exp1", 7, 3, "gossip", s, 1, {"num.w": torch.randn(2, 3, 4, generator=g) * 10 ** (s - 2),
+                                                        "num.b": torch.randn(2, 4, generator=g),
+                                                        "den": torch.rand(2, generator=g)}) for s in range(4)]
+    messages[1].tensors["num.w"][0] = 0.0  # a zero row: scale 0
+    decoded = [decode(*encode_message(m, GOSSIP, torch.int8), GOSSIP).tensors for m in messages[:3]]
+    own = WireTensors()
+    encode_message(messages[3], GOSSIP, torch.int8, own)
+    payloads = [*decoded, own]
+    assert all(isinstance(p, WireTensors) and p.codes("num.w") is not None for p in payloads)
+    assert all(shape_of(p, "num.w") == (2, 3, 4) and p.codes("num.w") is not None for p in payloads)
+    floats = [{n: dequantize(*p.codes(n)) if p.codes(n) is not None else p[n] for n in GOSSIP} for p in payloads]
+    for name in GOSSIP:
+        together = stacked(payloads, name)
+        assert together.dtype == torch.float32 and torch.equal(together, torch.stack([f[name] for f in floats]))
+    assert torch.equal(decoded[0]["num.w"], floats[0]["num.w"]) and decoded[0].codes("num.w") is None  # now read
+    mixed = [decoded[0], {"num.w": torch.ones(2, 3, 4)}]
+    assert torch.equal(stacked(mixed, "num.w"), torch.stack([floats[0]["num.w"], torch.ones(2, 3, 4)]))
+    assert list(decoded[1]) == list(GOSSIP) and len(decoded[1]) == len(GOSSIP)

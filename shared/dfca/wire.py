@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
@@ -71,7 +71,64 @@ class Envelope:
     exchange: str
     step: int
     part: int
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+Codes = tuple[torch.Tensor, torch.Tensor]  # a model tensor's int8 codes and float32 scales on the CPU (core.quantize)
+
+
+class WireTensors(Mapping[str, torch.Tensor]):
+    """A payload as it came off the wire (or as a sender's own copy of what it sent): model tensors that travelled
+    as 8-bit codes are kept as (codes, scale) and dequantized when first read. A driver stacking many messages
+    (`stacked`) stacks their int8 codes and dequantizes once, instead of making a float copy of every message and
+    copying those again into the stack."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, torch.Tensor] = {}
+        self._codes: dict[str, Codes] = {}
+        self._names: list[str] = []
+
+    def put(self, name: str, value: torch.Tensor) -> None:
+        self._names.append(name)
+        self._values[name] = value
+
+    def put_codes(self, name: str, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        self._names.append(name)
+        self._codes[name] = (codes, scale)
+
+    def codes(self, name: str) -> Codes | None:
+        """(codes, scale) of a model tensor that has not been read as floats yet; None otherwise."""
+        return self._codes.get(name) if name not in self._values else None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        held = self._codes.get(name)
+        return tuple((held[0] if held is not None and name not in self._values else self[name]).shape)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._values:
+            codes, scale = self._codes[name]
+            self._values[name] = dequantize(codes, scale)
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def shape_of(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    """A payload tensor's shape, without dequantizing it."""
+    return tensors.shape(name) if isinstance(tensors, WireTensors) else tuple(tensors[name].shape)
+
+
+def stacked(payloads: list[Mapping[str, torch.Tensor]], name: str) -> torch.Tensor:
+    """torch.stack of the payloads' `name` tensors, value for value; where all of them hold 8-bit codes, the codes
+    are stacked and dequantized in one pass."""
+    held = [p.codes(name) if isinstance(p, WireTensors) else None for p in payloads]
+    if all(h is not None for h in held):
+        return dequantize(torch.stack([h[0] for h in held if h]), torch.stack([h[1] for h in held if h]))
+    return torch.stack([p[name] for p in payloads])
 
 
 class PayloadRejected(ValueError):
@@ -90,9 +147,6 @@ def _wire_dtype(spec: TensorSpec, model_dtype: torch.dtype) -> torch.dtype:
     return {"model": model_dtype, "float32": torch.float32, "float64": torch.float64, "int64": torch.int64}[spec.kind]
 
 
-Codes = tuple[torch.Tensor, torch.Tensor]  # a model tensor's int8 codes and float32 scales on the CPU (core.quantize)
-
-
 def quantize_rows(spec: Spec, tensors: Mapping[str, torch.Tensor], model_dtype: torch.dtype) -> dict[str, Codes]:
     """Under int8, the (codes, scale) of every model tensor of an outbox, [R, ...] whole, in one call each: the
     codes of row r are those `encode_message` computes for that row's message alone (a scale per row of the last
@@ -106,7 +160,7 @@ def quantize_rows(spec: Spec, tensors: Mapping[str, torch.Tensor], model_dtype: 
 
 def encode_message(
     envelope: Envelope, spec: Spec, model_dtype: torch.dtype = torch.float32,
-    received: dict[str, torch.Tensor] | None = None, quantized: Mapping[str, Codes] | None = None,
+    received: WireTensors | None = None, quantized: Mapping[str, Codes] | None = None,
 ) -> tuple[bytes, dict[str, str]]:
     """The message's body and headers. `received`: filled, where given, with what decoding the message gives (CPU
     tensors of its own, as_received's values), from the codes just computed: a sender's copy for receivers in its
@@ -118,12 +172,12 @@ def encode_message(
             given = quantized.get(n) if quantized is not None else None
             tensors[n], tensors[n + SCALE] = given or quantize(envelope.tensors[n].detach().to("cpu"))
             if received is not None:
-                received[n] = dequantize(tensors[n], tensors[n + SCALE])
+                received.put_codes(n, tensors[n], tensors[n + SCALE])
         else:
             t = envelope.tensors[n].detach().to("cpu")
             tensors[n] = t.to(_wire_dtype(s, model_dtype))
             if received is not None:  # a copy: what was sent may be state that folding changes in place
-                received[n] = (tensors[n].to(t.dtype) if s.kind == "model" else t).clone()
+                received.put(n, (tensors[n].to(t.dtype) if s.kind == "model" else t).clone())
     body = serialize(tensors)
     return body, headers_of(envelope, model_dtype, sha256(body))
 
@@ -220,8 +274,8 @@ def read_headers(routing_key: str, headers: Mapping[str, object], experiment: st
     return head
 
 
-def read_tensors(body: bytes, headers: Mapping[str, object], spec: Spec) -> dict[str, torch.Tensor]:
-    """The payload's tensors, checked against `spec`: models come back as float32."""
+def read_tensors(body: bytes, headers: Mapping[str, object], spec: Spec) -> WireTensors:
+    """The payload's tensors, checked against `spec`: models read as float32 (8-bit codes when first read)."""
     if sha256(body) != str(headers.get("sha256")):
         raise PayloadRejected("checksum", "sha256 of the body does not match its header")
     try:
@@ -232,7 +286,7 @@ def read_tensors(body: bytes, headers: Mapping[str, object], spec: Spec) -> dict
     names = set(spec) | ({n + SCALE for n, s in spec.items() if s.kind == "model"} if quantized else set())
     if set(tensors) != names:
         raise PayloadRejected("shape", f"tensor names {sorted(tensors)} != {sorted(names)}")
-    out: dict[str, torch.Tensor] = {}
+    out = WireTensors()
     for name, s in spec.items():
         t = tensors[name]
         if not s.fits(tuple(t.shape)):
@@ -241,10 +295,10 @@ def read_tensors(body: bytes, headers: Mapping[str, object], spec: Spec) -> dict
         if s.kind == "int64":
             if t.dtype != torch.int64:
                 raise PayloadRejected("dtype", f"{name} has dtype {t.dtype}, expected int64")
-            out[name] = t
+            out.put(name, t)
             continue
         if s.kind == "model" and quantized:
-            out[name] = _dequantized(name, t, tensors[name + SCALE])
+            out.put_codes(name, *_checked_codes(name, t, tensors[name + SCALE]))
             continue
         if t.dtype not in FLOATS:
             raise PayloadRejected("dtype", f"{name} has dtype {t.dtype}")
@@ -253,11 +307,11 @@ def read_tensors(body: bytes, headers: Mapping[str, object], spec: Spec) -> dict
             raise PayloadRejected("non_finite", f"{name} contains NaN or Inf")
         if s.kind != "model" and bool((t < 0).any()):
             raise PayloadRejected("negative", f"{name} holds a negative weight")
-        out[name] = t
+        out.put(name, t)
     return out
 
 
-def _dequantized(name: str, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _checked_codes(name: str, codes: torch.Tensor, scale: torch.Tensor) -> Codes:
     if codes.dtype != torch.int8 or scale.dtype != torch.float32:
         raise PayloadRejected("dtype", f"{name} has dtypes {codes.dtype}, {scale.dtype}; expected int8 and float32")
     if tuple(scale.shape) != tuple(codes.shape)[:-1]:
@@ -267,7 +321,7 @@ def _dequantized(name: str, codes: torch.Tensor, scale: torch.Tensor) -> torch.T
         least, largest = (float(v) for v in torch.aminmax(scale))
         if not (least >= 0.0 and math.isfinite(largest)):
             raise PayloadRejected("non_finite", f"{name}{SCALE} holds a negative or non-finite scale")
-    return dequantize(codes, scale)
+    return codes, scale
 
 
 def decode_message(

@@ -39,7 +39,7 @@ def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def dequantize(codes: Tensor, scale: Tensor) -> Tensor:
     """The float32 tensor that (codes, scale) stand for."""
-    return codes.float() * scale.float().unsqueeze(-1) if codes.dim() else codes.float() * scale.float()
+    return codes.to(torch.float32, copy=True).mul_(scale.float().unsqueeze(-1) if codes.dim() else scale.float())
 
 
 def round_trip_into(x: Tensor, out: Tensor) -> Tensor:

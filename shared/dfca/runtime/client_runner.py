@@ -9,8 +9,9 @@ Life of a runner (one thread, never the transport's I/O thread):
 2. report `ready` (or `resumed`), then wait for the topology service's `go` (the start barrier:
    nobody publishes round 0 before every queue is bound) unless the experiment is already running;
 3. rounds: apply due topology changes, run the round's exchanges (the driver waits for every live
-   neighbour or `runtime.round_timeout`), checkpoint, then ack the round's messages and report the
-   round to `dfca.metrics`;
+   neighbour or `runtime.round_timeout`), copy the state and hand it to the checkpoint writer, which
+   writes it while the next round runs and then acks the round's messages; report the round to
+   `dfca.metrics`;
 4. report `finished` after the last round, `stopped` on a stop command, `failed` on an error.
 
 A lost broker connection is absorbed by the transport (it reconnects and the broker redelivers
@@ -39,6 +40,7 @@ from dfca.data import FederatedData, build_federated_data
 from dfca.devices import worker_device
 from dfca.models import build_model
 from dfca.run_size import check_fits_memory
+from dfca.runtime.checkpoints import CheckpointWriter
 from dfca.runtime.final_models import encode_sums
 from dfca.runtime.host_transport import HostTransport, RunInterrupted
 from dfca.runtime.message_driver import MessageDriver
@@ -127,6 +129,7 @@ class ClientRunner:
         self.connect = connect
         self.emit = emit
         self.checkpoint = checkpoint_path(checkpoint_dir, spec.experiment, spec.ordinal)
+        self.writer = CheckpointWriter(self.checkpoint)
         self.incarnation = uuid.uuid4().hex[:8]
         self.status = RunnerStatus()
         self.driver: MessageDriver | None = None
@@ -254,6 +257,7 @@ class ClientRunner:
             self._wait_for_go()
             try:
                 self._rounds(driver, transport, next_round)
+                self.writer.wait()  # the last round's checkpoint is on disk and its messages acked
             except RunInterrupted:
                 if self._ended_without_us:
                     self._leave(driver, transport)
@@ -261,6 +265,7 @@ class ClientRunner:
             self._send_final_models(driver)
             self._report("finished")
         finally:
+            self.writer.wait_quietly()  # before the connection closes: the acks after the checkpoint need it
             self._transport = None
             transport.close()
 
@@ -282,6 +287,7 @@ class ClientRunner:
     def _leave(self, driver: MessageDriver, transport: HostTransport) -> None:
         """The experiment is over: delete this worker's queue (a reconnect may have declared it again after the
         topology service deleted it) and its checkpoint."""
+        self.writer.wait_quietly()  # a write in flight would put the checkpoint back
         try:
             transport.delete_queue(driver.queue)
         except TransportError as err:
@@ -305,8 +311,8 @@ class ClientRunner:
             began = time.perf_counter()
             self._apply_control(driver, t)
             complete = driver.run_round(t, cfg.runtime.round_timeout)
-            driver.save_checkpoint(self.checkpoint)
-            transport.flush_acks()
+            acks = transport.take_acks()  # this round's: sent once its checkpoint is on disk
+            self.writer.submit(driver.checkpoint(), lambda acks=acks: transport.ack_now(acks))
             self.status.rounds_done = t + 1
             finished = driver.algorithm.finished  # its own stopping rule (FedCRef's): this round is the last
             evaluate = (t + 1) % cfg.eval_every == 0 or t + 1 == total or finished

@@ -1,8 +1,8 @@
 """The transport a worker's message driver talks through: a thin wrapper over any `Transport`.
 
 It adds three things the round loop needs, without touching the driver:
-- acks are deferred until `flush_acks()`, which the runner calls right after a round's checkpoint
-  is on disk. A worker killed mid-round loses no neighbour model: the broker redelivers the
+- acks are deferred: the runner takes a round's (`take_acks()`) and sends them (`ack_now`) once the
+  round's checkpoint is on disk. A worker killed mid-round loses no neighbour model: the broker redelivers the
   unacknowledged ones to the restarted worker, which resumes from that checkpoint.
   Rejections (dead-lettering) are not deferred.
 - published messages carry a `sent_at` header; deliveries measure the lag from it.
@@ -39,9 +39,18 @@ class HostTransport(Transport):
 
     # -- the additions ---------------------------------------------------------------------------
     def flush_acks(self) -> int:
-        pending, self._pending_acks = self._pending_acks, []
+        pending = self.take_acks()
         self.inner.ack_many(pending)
         return len(pending)
+
+    def take_acks(self) -> list[Message]:
+        """The deferred acks so far, to be sent (`ack_now`) once what they depend on is done; later acks wait."""
+        pending, self._pending_acks = self._pending_acks, []
+        return pending
+
+    def ack_now(self, messages: list[Message]) -> None:
+        """Acknowledge messages taken by `take_acks` (from any thread)."""
+        self.inner.ack_many(messages)
 
     def interrupt(self) -> None:
         self._interrupted.set()

@@ -54,11 +54,12 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dfca import principals, topics
 from dfca.algorithms import Algorithm, Exchange, Inbox
 from dfca.algorithms.base import SERVER, Graph, check_finite, report_of
+from dfca.runtime.checkpoints import Checkpoint
 from dfca.runtime.host_transport import RunInterrupted
 from dfca.runtime.liveness import NeighbourLiveness
 from dfca.transport import Message, Transport
@@ -68,10 +69,13 @@ from dfca.wire import (
     Envelope,
     PayloadRejected,
     Spec,
+    WireTensors,
     decode_message,
     encode_message,
     message_bytes,
     quantize_rows,
+    shape_of,
+    stacked,
 )
 
 log = logging.getLogger(__name__)
@@ -333,7 +337,7 @@ class MessageDriver:
             envelope = Envelope(self.experiment, sender, self.round, ex.name, ex.step, part,
                                 {n: out.tensors[n][s][:rows] if spec[n].ragged else out.tensors[n][s] for n in spec})
             hearing = self.rows_hearing(sender, ex) if sender in self.hosted else []
-            received: dict[str, torch.Tensor] | None = {} if hearing else None
+            received = WireTensors() if hearing else None
             mine = {n: (c[s][:rows], scale[s][:rows]) if spec[n].ragged else (c[s], scale[s])
                     for n, (c, scale) in codes.items()}
             body, headers = encode_message(envelope, spec, self.model_dtype, received, mine)
@@ -604,14 +608,14 @@ class MessageDriver:
         """One inbox: delivered[row, column] for each delivery of `chunk`, the columns' distinct messages."""
         device = self.algorithm.ctx.device
         envelopes = list({id(d.envelope): d.envelope for d in chunk}.values())  # in column order
-        shapes = {n: {tuple(e.tensors[n].shape) for e in envelopes} for n in envelopes[0].tensors}
+        shapes = {n: {shape_of(e.tensors, n) for e in envelopes} for n in envelopes[0].tensors}
         if len(envelopes) > 1 and any(len(s) > 1 for s in shapes.values()):  # ragged payloads: one at a time
             for e in envelopes:
                 self._deliver([d for d in chunk if d.envelope is e], {id(e): 0})
             return
         delivered = torch.zeros(len(self.ids), len(envelopes), dtype=torch.bool)
         delivered[[d.row for d in chunk], [columns[id(d.envelope)] for d in chunk]] = True
-        tensors = {n: torch.stack([e.tensors[n] for e in envelopes]).to(device) for n in envelopes[0].tensors}
+        tensors = {n: stacked([e.tensors for e in envelopes], n).to(device) for n in envelopes[0].tensors}
         inbox = Inbox(delivered.to(device), torch.tensor([e.sender for e in envelopes], device=device),
                       torch.tensor([e.part for e in envelopes], device=device), tensors, envelopes[0].round)
         used = self.algorithm.receive(self.exchanges[self.index], inbox)
@@ -648,17 +652,18 @@ class MessageDriver:
         """The hosted clients' evaluation, as a round report carries it."""
         return report_of(self.algorithm.evaluate(), self.ids, self.algorithm.data().true_cluster)
 
-    def save_checkpoint(self, path: Path) -> None:
-        """The hosted rows' state after the last round, as safetensors; written atomically."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {n: v.detach().to("cpu").contiguous() for n, v in self.algorithm.state().items()}
+    def checkpoint(self) -> Checkpoint:
+        """The hosted rows' state after the last round, copied: the next round may change it while it is written."""
+        tensors = {n: v.detach().to("cpu", copy=True).contiguous() for n, v in self.algorithm.state().items()}
         # the identities used in the last round: a message folded before this checkpoint but not yet acked comes
         # back after a crash, and must be a duplicate then, not a late message merged a second time
         meta = {"round": str(self.round), "experiment": self.experiment, "clients": json.dumps(self.ids),
                 "seen": json.dumps(sorted(self.seen))}
-        tmp = path.with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        tmp.replace(path)
+        return Checkpoint(tensors, meta)
+
+    def save_checkpoint(self, path: Path) -> None:
+        """The hosted rows' state after the last round, as safetensors; written atomically."""
+        self.checkpoint().write(path)
 
     def load_checkpoint(self, path: Path) -> int:
         """Restore the state; returns the last completed round (the next round is that + 1)."""

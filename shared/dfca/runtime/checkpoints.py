@@ -1,0 +1,112 @@
+"""A worker's checkpoints: a copy of its state taken between rounds, written atomically, off the round loop.
+
+A checkpoint is the hosted rows' state after a round (safetensors) with metadata; `write` puts it at its path
+atomically (a temporary file, then a rename over the old one). The rename over an existing file makes ext4
+start writing the new file's data back at once (`auto_da_alloc`), so a checkpoint costs a few milliseconds of
+the round loop's time that no message is waiting for. `CheckpointWriter` writes each one on a thread of its own
+while the next round runs, and only then does what must follow it: acknowledging the messages the checkpoint
+holds (a worker killed before that gets them again from the broker and resumes from the checkpoint before).
+One write is in flight at a time and they land in order: the next `submit` waits for the one before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """State tensors (CPU copies no one else changes) and string metadata, as one safetensors file holds them."""
+
+    tensors: Mapping[str, torch.Tensor]
+    metadata: Mapping[str, str]
+
+    def write(self, path: Path) -> None:
+        """Atomically: a reader sees the previous checkpoint or this one, whole."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp, chunks = path.with_suffix(".tmp"), safetensors_chunks(self.tensors, self.metadata)
+        with tmp.open("wb", buffering=0) as f:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                while view:  # a raw write may take less than it was given
+                    view = view[f.write(view):]
+        tmp.replace(path)
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def safetensors_chunks(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> list[bytes | np.ndarray]:
+    """A safetensors file as the buffers to write one after another: the header's length (8 bytes, little
+    endian), the JSON header (padded with spaces to a multiple of 8), then every tensor's bytes in name order,
+    as views of the (contiguous, CPU) tensors themselves. `safetensors.torch.save` builds the same file in one
+    new bytes object, which took 4-5 ms for a worker's 3.2 MB of state here, against 0.1 ms for the header."""
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    data: list[bytes | np.ndarray] = []
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"checkpoint tensor {name!r} must be a contiguous CPU tensor")
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + raw.nbytes]}
+        offset += raw.nbytes
+        data.append(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return [struct.pack("<Q", len(text)), text, *data]
+
+
+class CheckpointWriter:
+    """Writes a runner's checkpoints to `path` on a background thread, one at a time and in order; after a
+    write, runs what was submitted with it (the acks of the messages it holds). An error of a write, or of what
+    follows it, is raised by the next `submit` or `wait`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, checkpoint: Checkpoint, then: Callable[[], object]) -> None:
+        """Write `checkpoint` after the one in flight, then call `then`."""
+        self.wait()
+        self._thread = threading.Thread(target=self._write, args=(checkpoint, then),
+                                         name=f"checkpoint-{self.path.name}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Until the write in flight (and what follows it) is done; raises its error, if it had one."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def wait_quietly(self) -> None:
+        """`wait`, logging an error instead of raising it (the runner is ending for another reason)."""
+        try:
+            self.wait()
+        except Exception as err:
+            log.warning("checkpoint %s or the acks after it failed: %s", self.path, err)
+
+    def _write(self, checkpoint: Checkpoint, then: Callable[[], object]) -> None:
+        try:
+            checkpoint.write(self.path)
+            then()
+        except BaseException as err:  # handed to the runner's thread
+            self._error = err

@@ -1,0 +1,106 @@
+"""A worker's checkpoints: the file format, atomic replacement, and the writer that acks after each write."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save
+
+from dfca.runtime.checkpoints import Checkpoint, CheckpointWriter
+
+STATE = {
+    "params.w1": torch.randn(3, 2, 5, 4, generator=torch.Generator().manual_seed(0)),
+    "weight": torch.rand(3, 2, dtype=torch.float64),
+    "assigned": torch.arange(3),
+    "scalar": torch.tensor(2.5),
+    "mask": torch.tensor([True, False, True]),
+    "half": torch.randn(4).bfloat16(),
+    "codes": torch.tensor([-127, 0, 127], dtype=torch.int8),
+    "empty": torch.zeros(0, 4),
+}
+META = {"round": "7", "experiment": "exp", "seen": "[[1, 2, 3]]"}
+
+
+def test_a_checkpoint_is_the_safetensors_file_of_its_state(tmp_path: Path) -> None:
+    """Every dtype and shape a state holds (0-d, empty, bfloat16) loads back exactly, with the metadata, through
+    safetensors itself; the same tensors as safetensors' own writer gives."""
+    path = tmp_path / "exp" / "0.safetensors"
+    Checkpoint(STATE, META).write(path)
+    back, reference = load_file(str(path)), save(STATE, metadata=META)
+    assert set(back) == set(STATE)
+    for name, value in STATE.items():
+        assert back[name].dtype == value.dtype and torch.equal(back[name], value), name
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == META
+    (tmp_path / "ref.safetensors").write_bytes(reference)
+    assert all(torch.equal(load_file(str(tmp_path / "ref.safetensors"))[n], back[n]) for n in STATE)
+    assert not path.with_suffix(".tmp").exists()
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        Checkpoint({"t": torch.randn(4, 3).t()}, META).write(tmp_path / "other.safetensors")
+    assert not (tmp_path / "other.tmp").exists()
+
+
+def test_the_writer_acks_each_round_after_its_checkpoint_is_on_disk_in_order(tmp_path: Path) -> None:
+    """What follows a checkpoint (the runner's acks) runs only once that checkpoint is the file on disk, and the
+    writes land in the order submitted: every `then` finds its own round in the file."""
+    path = tmp_path / "0.safetensors"
+    writer = CheckpointWriter(path)
+    seen: list[tuple[int, str]] = []
+
+    def round_on_disk() -> str:
+        with safe_open(str(path), "pt") as f:
+            return str(f.metadata()["round"])
+
+    for round_ in range(5):
+        writer.submit(Checkpoint({"w": torch.full((1000,), float(round_))}, {"round": str(round_)}),
+                      lambda r=round_: seen.append((r, round_on_disk())))
+    writer.wait()
+    assert seen == [(r, str(r)) for r in range(5)]
+    assert torch.equal(load_file(str(path))["w"], torch.full((1000,), 4.0))
+
+
+def test_the_writer_runs_off_the_callers_thread(tmp_path: Path) -> None:
+    """submit returns while what follows the write is held up (on another thread); wait returns once it is done."""
+    started, release, threads = threading.Event(), threading.Event(), []
+
+    def then() -> None:
+        threads.append(threading.current_thread())
+        started.set()
+        release.wait(5)
+
+    writer = CheckpointWriter(tmp_path / "0.safetensors")
+    writer.submit(Checkpoint({"w": torch.zeros(3)}, {}), then)
+    assert started.wait(5) and (tmp_path / "0.safetensors").exists()  # written, its `then` blocked, we are here
+    release.set()
+    writer.wait()
+    assert threads[0] is not threading.current_thread()
+
+
+def test_a_failed_write_or_ack_is_raised_by_the_next_call(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint that cannot be written is raised by the next submit (or wait), and nothing after it ran;
+    `wait_quietly` logs it instead."""
+    (tmp_path / "blocked").write_text("a file where the checkpoint's folder should be")
+    writer = CheckpointWriter(tmp_path / "blocked" / "0.safetensors")
+    acked: list[int] = []
+    writer.submit(Checkpoint({"w": torch.zeros(3)}, {}), lambda: acked.append(1))
+    with pytest.raises(OSError):
+        writer.submit(Checkpoint({"w": torch.zeros(3)}, {}), lambda: acked.append(2))
+    assert acked == []
+
+    def failing_ack() -> None:
+        raise ConnectionError("the broker went away")
+
+    writer = CheckpointWriter(tmp_path / "ok.safetensors")
+    writer.submit(Checkpoint({"w": torch.zeros(3)}, {}), failing_ack)
+    with pytest.raises(ConnectionError):
+        writer.wait()
+    writer.wait()  # raised once
+    writer.submit(Checkpoint({"w": torch.zeros(3)}, {}), failing_ack)
+    with caplog.at_level(logging.WARNING, logger="dfca.runtime.checkpoints"):
+        writer.wait_quietly()
+    assert "the broker went away" in caplog.text
