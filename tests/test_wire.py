@@ -11,6 +11,7 @@ from safetensors.torch import save
 
 from dfca import topics
 from dfca.core.quantize import dequantize
+from dfca.safetensors_layout import to_bytes
 from dfca.wire import (
     Envelope,
     PayloadRejected,
@@ -24,6 +25,7 @@ from dfca.wire import (
     headers_of,
     message_bytes,
     quantize_rows,
+    serialize,
     sha256,
     shape_of,
     stacked,
@@ -306,3 +308,22 @@ def test_decoded_codes_are_stacked_as_the_floats_would_be() -> None:
     mixed = [decoded[0], {"num.w": torch.ones(2, 3, 4)}]
     assert torch.equal(stacked(mixed, "num.w"), torch.stack([floats[0]["num.w"], torch.ones(2, 3, 4)]))
     assert list(decoded[1]) == list(GOSSIP) and len(decoded[1]) == len(GOSSIP)
+
+
+def test_the_body_is_safetensors_own_file_byte_for_byte() -> None:
+    """serialize (header plus views, dfca.safetensors_layout) writes the bytes safetensors' own writer writes, for
+    every dtype a payload or a checkpoint holds, 0-d and empty tensors and metadata included, and the file is
+    contiguous CPU tensors only."""
+    g = torch.Generator().manual_seed(5)
+    dtypes = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.float16, torch.bfloat16, torch.int32,
+              torch.float32, torch.float64, torch.int64)
+    tensors: dict[str, torch.Tensor] = {}
+    for i, dtype in enumerate(dtypes):
+        tensors[f"t{len(dtypes) - i}"] = (torch.rand(3, 2, generator=g) * 100).to(dtype)
+        tensors[f"s{i}"], tensors[f"e{i}"] = torch.tensor(1.5).to(dtype), torch.zeros(0, 3, dtype=dtype)
+    assert serialize(tensors) == save(tensors)
+    assert to_bytes(tensors, {"round": "3"}) == save(tensors, metadata={"round": "3"})
+    w = torch.randn(4, 3, generator=g)
+    assert serialize({"w": w.t()}) == save({"w": w.t().contiguous()})  # serialize makes a transposed view contiguous
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        to_bytes({"w": torch.randn(4, 3).t()})

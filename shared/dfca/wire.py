@@ -25,12 +25,11 @@ from functools import lru_cache
 from typing import Literal
 
 import torch
-from safetensors.numpy import save as np_save
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from dfca import topics
 from dfca.core.quantize import dequantize, quantize, round_trip, round_trip_into
+from dfca.safetensors_layout import to_bytes
 
 WIRE_VERSION = "2"
 HEADER_KEYS = ("experiment", "sender", "round", "exchange", "step", "part", "sha256", "dtype", "version")
@@ -183,11 +182,9 @@ def encode_message(
 
 
 def serialize(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """The safetensors file of CPU tensors: the same bytes as safetensors.torch.save, through its numpy writer (4x
-    faster on a model's few tensors: no shared-storage search); bfloat16, which numpy lacks, through the torch one."""
-    if any(t.dtype == torch.bfloat16 for t in tensors.values()):
-        return st_save({n: t.contiguous() for n, t in tensors.items()})
-    return np_save({n: t.contiguous().numpy() for n, t in tensors.items()})
+    """The safetensors file of CPU tensors, the same bytes as safetensors.torch.save, built from views of the
+    tensors with one copy (dfca.safetensors_layout: 0.25 ms less per 109 kB message than safetensors' writer)."""
+    return to_bytes({n: t.contiguous() for n, t in tensors.items()})
 
 
 def headers_of(envelope: Envelope, model_dtype: torch.dtype, checksum: str = "0" * SHA256_HEX) -> dict[str, str]:
@@ -286,7 +283,7 @@ def read_tensors(body: bytes, headers: Mapping[str, object], spec: Spec) -> Wire
     names = set(spec) | ({n + SCALE for n, s in spec.items() if s.kind == "model"} if quantized else set())
     if set(tensors) != names:
         raise PayloadRejected("shape", f"tensor names {sorted(tensors)} != {sorted(names)}")
-    out = WireTensors()
+    out, scales = WireTensors(), []
     for name, s in spec.items():
         t = tensors[name]
         if not s.fits(tuple(t.shape)):
@@ -299,6 +296,7 @@ def read_tensors(body: bytes, headers: Mapping[str, object], spec: Spec) -> Wire
             continue
         if s.kind == "model" and quantized:
             out.put_codes(name, *_checked_codes(name, t, tensors[name + SCALE]))
+            scales.append(tensors[name + SCALE].reshape(-1))
             continue
         if t.dtype not in FLOATS:
             raise PayloadRejected("dtype", f"{name} has dtype {t.dtype}")
@@ -308,6 +306,9 @@ def read_tensors(body: bytes, headers: Mapping[str, object], spec: Spec) -> Wire
         if s.kind != "model" and bool((t < 0).any()):
             raise PayloadRejected("negative", f"{name} holds a negative weight")
         out.put(name, t)
+    if scales and not _scales_valid(torch.cat(scales)):  # all of them in one reduction; then find the culprit
+        bad = next(n for n, s in spec.items() if s.kind == "model" and not _scales_valid(tensors[n + SCALE]))
+        raise PayloadRejected("non_finite", f"{bad}{SCALE} holds a negative or non-finite scale")
     return out
 
 
@@ -317,11 +318,16 @@ def _checked_codes(name: str, codes: torch.Tensor, scale: torch.Tensor) -> Codes
     if tuple(scale.shape) != tuple(codes.shape)[:-1]:
         raise PayloadRejected("shape", f"{name}{SCALE} has shape {tuple(scale.shape)}, expected "
                               f"{tuple(codes.shape)[:-1]}")
-    if scale.numel():  # one reduction: NaN makes the least scale NaN (not >= 0), an infinity the largest
-        least, largest = (float(v) for v in torch.aminmax(scale))
-        if not (least >= 0.0 and math.isfinite(largest)):
-            raise PayloadRejected("non_finite", f"{name}{SCALE} holds a negative or non-finite scale")
     return codes, scale
+
+
+def _scales_valid(scale: torch.Tensor) -> bool:
+    """Every scale finite and >= 0, in one reduction: NaN makes the least scale NaN (not >= 0), an infinity the
+    largest."""
+    if not scale.numel():
+        return True
+    least, largest = (float(v) for v in torch.aminmax(scale))
+    return least >= 0.0 and math.isfinite(largest)
 
 
 def decode_message(
