@@ -11,6 +11,8 @@ from multiprocessing import Pool
 from pathlib import Path
 from typing import Any
 
+RESULTS = "docs/results"  # raw benchmark lines, appended by runs: not what a run measures
+
 Run = dict[str, Any]
 
 
@@ -48,7 +50,8 @@ def one_thread() -> None:
 
 
 def commit() -> str:
-    """HEAD's short hash, with "+changes" when tracked files differ from it (what was measured is not that commit);
+    """HEAD's short hash, with "+changes" when tracked files differ from it (what was measured is not that commit;
+    the raw results under docs/results/, which benchmarks append to, do not count);
     in a copy whose git history may be stale (a GPU machine's), DFCA_COMMIT names the commit it was copied from."""
     here = Path(__file__).resolve().parent
     if os.environ.get("DFCA_COMMIT"):
@@ -56,8 +59,9 @@ def commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
+                                f":(top,exclude){RESULTS}"], cwd=here, capture_output=True, text=True,
+                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+changes" if dirty else "")

@@ -311,8 +311,9 @@ class ClientRunner:
             began = time.perf_counter()
             self._apply_control(driver, t)
             complete = driver.run_round(t, cfg.runtime.round_timeout)
-            acks = transport.take_acks()  # this round's: sent once its checkpoint is on disk
-            self.writer.submit(driver.checkpoint(), lambda acks=acks: transport.ack_now(acks))
+            with driver.timed("checkpoint"):
+                acks = transport.take_acks()  # this round's: sent once its checkpoint is on disk
+                self.writer.submit(driver.checkpoint(), lambda acks=acks: transport.ack_now(acks))
             self.status.rounds_done = t + 1
             finished = driver.algorithm.finished  # its own stopping rule (FedCRef's): this round is the last
             evaluate = (t + 1) % cfg.eval_every == 0 or t + 1 == total or finished

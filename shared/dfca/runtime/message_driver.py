@@ -101,8 +101,9 @@ Identity = tuple[int, int, int, str, int, int]  # receiver, sender, round, excha
 # local training); publish = send, encode and publish, and at the round's end awaiting the publisher confirms that
 # have not come yet (an exchange's messages are handed over without waiting for them); receive = checking, decoding
 # and folding what arrived; wait = the rest of collecting (nothing to do: waiting on neighbours or the broker);
-# mix = end_exchange and end_round (a gossip step's mixing, the losses for the next assignment).
-PHASES = ("train", "publish", "receive", "wait", "mix")
+# mix = end_exchange and end_round (a gossip step's mixing, the losses for the next assignment); checkpoint = what a
+# worker's round loop spends on the round's checkpoint (copying the state, waiting for the write before; the runner's).
+PHASES = ("train", "publish", "receive", "wait", "mix", "checkpoint")
 
 
 @dataclass
