@@ -65,7 +65,8 @@ def test_the_writer_acks_each_round_after_its_checkpoint_is_on_disk_in_order(tmp
 
 
 def test_the_writer_runs_off_the_callers_thread(tmp_path: Path) -> None:
-    """submit returns while what follows the write is held up (on another thread); wait returns once it is done."""
+    """submit returns while what follows the write is held up (on another thread, the same for every write); wait
+    returns once it is done; close ends the thread."""
     started, release, threads = threading.Event(), threading.Event(), []
 
     def then() -> None:
@@ -78,7 +79,10 @@ def test_the_writer_runs_off_the_callers_thread(tmp_path: Path) -> None:
     assert started.wait(5) and (tmp_path / "0.safetensors").exists()  # written, its `then` blocked, we are here
     release.set()
     writer.wait()
-    assert threads[0] is not threading.current_thread()
+    writer.submit(Checkpoint({"w": torch.ones(3)}, {}), lambda: threads.append(threading.current_thread()))
+    writer.close()  # waits for that write and ends the one thread both ran on
+    assert threads[0] is threads[1] is not threading.current_thread() and not threads[0].is_alive()
+    assert torch.equal(load_file(str(tmp_path / "0.safetensors"))["w"], torch.ones(3))
 
 
 def test_a_failed_write_or_ack_is_raised_by_the_next_call(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -192,6 +192,8 @@ class ClientRunner:
             log.exception("experiment %s failed on worker %d", spec.experiment, spec.ordinal)
             self._report("failed", detail=f"{type(err).__name__}: {err}"[:500])
             return
+        finally:
+            self.writer.close()
         if self._stop_requested:
             self._report("stopped")
         elif self._stop.is_set():
