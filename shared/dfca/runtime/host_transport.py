@@ -40,7 +40,7 @@ class HostTransport(Transport):
     # -- the additions ---------------------------------------------------------------------------
     def flush_acks(self) -> int:
         pending = self.take_acks()
-        self.inner.ack_many(pending)
+        self.ack_now(pending)
         return len(pending)
 
     def take_acks(self) -> list[Message]:
