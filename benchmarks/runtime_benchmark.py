@@ -252,27 +252,8 @@ def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users:
     finally:
         stop.set()
         stack.stop()
-        delete_service_queues(broker, topics.deployment_tag(options.topology_url), options.workers)
+        stack.delete_service_queues()  # each run is a new deployment (new ports)
     return summary, reports
-
-
-def delete_service_queues(url: str, deployment: str, workers: int) -> None:
-    """The stack's own service queues, once it is gone: every run is a new deployment (new ports), whose durable
-    queues would otherwise stay on the broker for 6 hours (SERVICE_QUEUE_LIMITS), ~6 a run."""
-    names = [topics.events_queue(deployment, "topology"), topics.events_queue(deployment, "metrics"),
-             topics.dead_letter_tap_queue(deployment), topics.aggregator_control_queue(deployment),
-             *(topics.worker_control_queue(deployment, i) for i in range(workers))]
-    connection = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        for name in names:
-            channel = connection.channel()  # a delete of a queue that is not there closes its channel
-            try:
-                channel.queue_delete(name)
-                channel.close()
-            except pika.exceptions.ChannelClosedByBroker:
-                pass
-    finally:
-        connection.close()
 
 
 def free_port() -> int:

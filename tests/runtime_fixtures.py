@@ -84,6 +84,7 @@ def running_stack(state_dir: Path, broker_url: str, workers: int = 3, aggregator
     finally:
         stop.set()
         stack.stop()
+        stack.delete_service_queues()  # a new deployment each time (free ports): its queues would stay 6 hours
 
 
 def free_port_block(size: int) -> int:

@@ -364,3 +364,26 @@ def test_a_stop_in_the_first_round_stops_the_work(stack: Stack, rabbitmq_url: st
 
 def api_status(port: int) -> dict:
     return dict(httpx.get(f"http://127.0.0.1:{port}/status", timeout=10).json())
+
+
+def test_a_stacks_service_queues_are_deleted_when_it_ends(rabbitmq_url: str, tmp_path: Path) -> None:
+    """Every stack a test or a benchmark starts is a new deployment (free ports): the queues its services declared
+    for themselves (events, control, the dead-letter tap) are there while it runs, and gone after running_stack
+    stops it (Stack.delete_service_queues), instead of staying on the shared broker for 6 hours."""
+    def exists(name: str) -> bool:
+        connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
+        try:
+            connection.channel().queue_declare(name, passive=True)
+            return True
+        except pika.exceptions.ChannelClosedByBroker:
+            return False
+        finally:
+            if connection.is_open:
+                connection.close()
+
+    with running_stack(tmp_path, rabbitmq_url, workers=2) as running:
+        deployment = topics.deployment_tag(running.options.topology_url)
+        names = topics.service_queues(deployment, 2)
+        there = {name for name in names if exists(name)}
+    assert there == set(names) - {topics.aggregator_control_queue(deployment)}  # this stack has no aggregator
+    assert not any(exists(name) for name in names)

@@ -194,4 +194,12 @@ def dead_letter_tap_queue(deployment: str) -> str:
     return f"dfca.dead-letter.{check_word(deployment, 'deployment')}.tap"
 
 
+def service_queues(deployment: str, workers: int) -> list[str]:
+    """Every queue a deployment's services declare for themselves (the experiments' worker inboxes are the topology
+    service's to delete, when an experiment ends)."""
+    return [events_queue(deployment, "topology"), events_queue(deployment, "metrics"),
+            dead_letter_tap_queue(deployment), aggregator_control_queue(deployment),
+            *(worker_control_queue(deployment, i) for i in range(workers))]
+
+
 ALL_KEYS = "#"  # binding key: everything; service queues were bound so before `deployment_keys` (unbound at start-up)

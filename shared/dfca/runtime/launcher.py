@@ -27,9 +27,12 @@ from typing import IO
 
 import httpx
 
+from dfca import topics
 from dfca.principals import worker
 from dfca.runtime.http_service import broker_reachable
 from dfca.settings import DEFAULT_PORTS
+from dfca.transport import TransportError
+from dfca.transport.rabbitmq import RabbitMQTransport
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +233,21 @@ class Stack:
                 if proc.log_file is not None:
                     proc.log_file.close()
                     proc.log_file = None
+
+    def delete_service_queues(self) -> None:
+        """After `stop`: delete the queues this deployment's services declared, for a stack that never starts again
+        under the same topology URL (tests and benchmarks pick free ports: each stack is a new deployment, whose
+        durable queues would otherwise stay on the broker for 6 hours, SERVICE_QUEUE_LIMITS). `dfca up` keeps
+        them: restarted on the same URL, its services find their queues again."""
+        transport = RabbitMQTransport(self.options.broker_url, name="dfca-launcher")
+        try:
+            for name in topics.service_queues(topics.deployment_tag(self.options.topology_url), self.options.workers):
+                try:
+                    transport.delete_queue(name)
+                except TransportError as err:
+                    log.debug("could not delete %s: %s", name, err)
+        finally:
+            transport.close()
 
     def supervise(self, stop: threading.Event, every: float = 0.5) -> threading.Thread:
         """Restart dead processes from a background thread until `stop` is set."""
