@@ -100,8 +100,9 @@ class WireTensors(Mapping[str, torch.Tensor]):
         return self._codes.get(name) if name not in self._values else None
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape (the codes have the float tensor's shape): nothing is dequantized for it."""
         held = self._codes.get(name)
-        return tuple((held[0] if held is not None and name not in self._values else self[name]).shape)
+        return tuple((held[0] if held is not None else self._values[name]).shape)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._values:
