@@ -426,8 +426,8 @@ def idle_service_queues() -> dict[str, int] | None:
         "list_bindings", "-p", "dfca", "destination_name", "routing_key")
     if queues is None or bindings is None:
         return None
-    idle = {q[0] for q in queues if len(q) == 2 and q[1] == "0" and q[0].split(".")[1] in ("events", "control",
-                                                                                             "dead-letter")}
+    idle = {q[0] for q in queues if len(q) == 2 and q[1] == "0" and q[0].split(".")[1:2] in (["events"], ["control"],
+                                                                                               ["dead-letter"])}
     everything = {b[0] for b in bindings if len(b) == 2 and b[0] in idle and b[1] == topics.ALL_KEYS}
     return {"all": len(everything), "deployment": len(idle - everything)}
 

@@ -6,6 +6,7 @@ Contract tests use the shared node (`rabbitmq_url`); the restart test uses a pri
 from __future__ import annotations
 
 import os
+import random
 import threading
 from collections.abc import Iterator
 
@@ -16,6 +17,7 @@ from transport_contract import Connect, Names, TransportContract, dead_letter_pa
 
 from dfca import topics
 from dfca.transport import Message, RabbitMQTransport, Transport, TransportError, connect_transport
+from dfca.transport.amqp_frames import FrameReadingConnection
 from dfca.transport.broker_setup import ensure_broker_topology
 from dfca.transport.rabbitmq import CHUNK_COUNT, CHUNK_ID, CHUNK_INDEX, UNREADABLE_HEADER
 
@@ -105,6 +107,29 @@ def test_bodies_above_chunk_bytes_travel_in_parts_and_arrive_whole(
     assert all(len(b) <= 64 << 10 and h["sender"] == "4" for h, b in big_parts)
     ordered = sorted(big_parts, key=lambda hb: int(str(hb[0][CHUNK_INDEX])))
     assert b"".join(b for _, b in ordered) == body
+
+
+def test_deliveries_are_read_by_the_frame_reader_and_arrive_whole(connect: Connect, names: Names) -> None:
+    """Bodies of every size around the broker's frame size (131072 bytes: one body frame or several), interleaved
+    with tiny ones, arrive byte for byte through the transport's own frame reader (dfca.transport.amqp_frames)."""
+    transport = connect(prefetch=8)
+    assert isinstance(transport, RabbitMQTransport)
+    exchange, queue = names.exchange("frames"), names.queue("frames")
+    transport.declare_exchange(exchange, "topic")
+    transport.declare_queue(queue)
+    transport.bind(queue, exchange, "m.#")
+    rng = random.Random(3)
+    bodies = [rng.randbytes(n) for n in (0, 1, 131_063, 131_064, 131_065, 104_000, 5, 400_000, 262_128, 17)]
+    transport.publish_many([(exchange, f"m.{i}", body, {"i": str(i)}) for i, body in enumerate(bodies)])
+    received = []
+    for _ in bodies:
+        received.append(must_receive(transport, queue))
+        transport.ack(received[-1])  # room for the next under prefetch 8
+    assert [(m.routing_key, m.headers["i"], m.body) for m in received] == [
+        (f"m.{i}", str(i), body) for i, body in enumerate(bodies)]
+    connection = transport._conn
+    assert isinstance(connection, FrameReadingConnection)
+    assert connection.bytes_received > sum(map(len, bodies)) and connection._reader.unread_bytes == 0
 
 
 def test_chunked_message_requeues_and_dead_letters_as_a_whole(connect: Connect, names: Names) -> None:

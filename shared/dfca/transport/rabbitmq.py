@@ -69,6 +69,7 @@ import pika.exceptions
 from pika.adapters.select_connection import IOLoop
 from pika.channel import Channel
 
+from dfca.transport.amqp_frames import FrameReadingConnection
 from dfca.transport.base import Message, Outgoing, QueueLimits, Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -605,7 +606,7 @@ class RabbitMQTransport(Transport):
         self._reconnect_timer = None
         if self._closing:
             return
-        self._conn = pika.SelectConnection(
+        self._conn = FrameReadingConnection(
             self._params,
             on_open_callback=self._on_connection_open,
             on_open_error_callback=self._on_connection_open_error,
