@@ -364,6 +364,61 @@ def test_a_client_with_200_neighbours_holds_no_more_model_copies_than_one_with_1
     assert held == 50
 
 
+class OneAtATime(InMemoryTransport):
+    """Messages trickle in: a look without waiting finds nothing after one message, until the driver waits."""
+
+    def __init__(self, broker: InMemoryBroker) -> None:
+        super().__init__(broker)
+        self.given = False
+
+    def receive(self, queue: str, timeout: float = 0.0) -> Message | None:
+        if timeout == 0.0 and self.given:
+            return None
+        message = super().receive(queue, 0.0)
+        self.given = timeout == 0.0 and message is not None
+        return message
+
+
+def star_folds(degree: int, trickle: bool) -> tuple[int, dict[str, torch.Tensor]]:
+    """A paper-rule round at the centre of a star of `degree` neighbours on another worker, its messages all there
+    at once or trickling in one by one: the algorithm's folds at the centre, and the centre's state."""
+    cfg = small_config(aggregation="sequential", rounds=1, dfca={"variant": "paper"}, train={"local_epochs": 0},
+                       data={"clients": degree + 1, "train_per_client": 5, "test_per_client": 2})
+    ctx = prepare(cfg)
+    graph = {0: list(range(1, degree + 1)), **{c: [0] for c in range(1, degree + 1)}}
+    broker = InMemoryBroker()
+    transport = OneAtATime(broker) if trickle else InMemoryTransport(broker)
+    centre = client_driver(cfg, "star", [0], ctx.data.subset([0]), graph, transport,
+                           queue=topics.worker_queue("star", "worker-0"))
+    others = list(range(1, degree + 1))
+    rest = client_driver(cfg, "star", others, ctx.data.subset(others), graph, InMemoryTransport(broker),
+                         queue=topics.worker_queue("star", "worker-1"))
+    folds = 0
+    receive = centre.algorithm.receive
+
+    def counted(*args: Any) -> int:
+        nonlocal folds
+        folds += 1
+        return receive(*args)
+
+    centre.algorithm.receive = counted  # type: ignore[method-assign]
+    lockstep_round(LockstepRun([rest, centre], None), 0)
+    assert centre.stats.applied == degree
+    return folds, centre.algorithm.state()
+
+
+def test_messages_that_trickle_in_are_folded_in_batches_with_the_same_result() -> None:
+    """A fold costs about the same whatever it holds, so messages arriving one by one are not folded one by one:
+    they wait for the next, up to FOLD_BATCH distinct ones, or until none is due; the running average is the one
+    of all of them arriving at once."""
+    folds_at_once, at_once = star_folds(20, trickle=False)
+    folds_trickling, trickling = star_folds(20, trickle=True)
+    assert folds_at_once == folds_trickling == 2  # 16, then the last 4: not 20 folds of one
+    assert at_once.keys() == trickling.keys()
+    for name, value in at_once.items():
+        torch.testing.assert_close(trickling[name], value, rtol=1e-6, atol=1e-7)
+
+
 def test_a_message_fanned_out_to_several_hosted_clients_is_decoded_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A star whose centre's neighbours all live on one worker: the centre's model reaches that worker's queue once,
     and the worker decodes it once for all of them (and folds it into each); a copy whose body differs from the
