@@ -108,3 +108,26 @@ def test_a_failed_write_or_ack_is_raised_by_the_next_call(tmp_path: Path, caplog
     with caplog.at_level(logging.WARNING, logger="dfca.runtime.checkpoints"):
         writer.wait_quietly()
     assert "the broker went away" in caplog.text
+
+
+def test_what_must_precede_a_checkpoint_runs_first_and_a_failure_stops_it(tmp_path: Path) -> None:
+    """`first` (the runner's: awaiting the round's publisher confirms) runs before the checkpoint is written; if it
+    fails (a confirm did not come), that checkpoint is not written, its acks are not sent, and the error is raised
+    by the next call."""
+    path = tmp_path / "0.safetensors"
+    writer = CheckpointWriter(path)
+    order: list[str] = []
+    writer.submit(Checkpoint({"w": torch.zeros(3)}, {"round": "0"}), lambda: order.append("acks 0"),
+                  first=lambda: order.append(f"confirms 0, on disk: {path.exists()}"))
+    writer.wait()
+    assert order == ["confirms 0, on disk: False", "acks 0"]
+
+    def unconfirmed() -> None:
+        raise TimeoutError("publish not confirmed within 60 s")
+
+    writer.submit(Checkpoint({"w": torch.ones(3)}, {"round": "1"}), lambda: order.append("acks 1"), first=unconfirmed)
+    with pytest.raises(TimeoutError):
+        writer.wait()
+    assert order == ["confirms 0, on disk: False", "acks 0"]
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata()["round"] == "0"  # round 1's checkpoint was not written: a restart redoes round 1

@@ -419,6 +419,43 @@ def test_messages_that_trickle_in_are_folded_in_batches_with_the_same_result() -
         torch.testing.assert_close(trickling[name], value, rtol=1e-6, atol=1e-7)
 
 
+class CountedConfirms(InMemoryTransport):
+    """Counts what is handed over without confirms, and who awaits them."""
+
+    def __init__(self, broker: InMemoryBroker) -> None:
+        super().__init__(broker)
+        self.pipelined, self.awaited_at_once, self.confirmed = 0, 0, []  # type: ignore[var-annotated]
+
+    def publish_pipelined(self, messages: Any) -> None:
+        super().publish_pipelined(messages)
+        self.pipelined += len(messages)
+
+    def await_confirms(self) -> None:
+        self.awaited_at_once += 1
+
+    def confirmation(self) -> Any:
+        count, self.pipelined = self.pipelined, 0
+        return lambda: self.confirmed.append(count)
+
+
+def test_under_confirm_later_a_round_ends_without_its_confirms_and_hands_them_on() -> None:
+    """A worker's driver (confirm_later) does not wait at the round's end for the broker's confirms of its
+    messages: take_confirmation gives what awaits exactly that round's (the checkpoint writer calls it before the
+    round's checkpoint is written); a driver without it awaits them in end_round, as central roles need."""
+    cfg = robust_config(rounds=1)
+    ctx = prepare(cfg)
+    broker, graph, n = InMemoryBroker(), neighbours(ctx.graph), ctx.data.num_clients
+    later, now = (client_driver(cfg, "exp", list(range(h, n, 2)), ctx.data.subset(list(range(h, n, 2))), graph,
+                                CountedConfirms(broker), workers=2) for h in (0, 1))
+    later.confirm_later = True
+    lockstep_round(LockstepRun([later, now], None), 0)
+    assert isinstance(later.transport, CountedConfirms) and isinstance(now.transport, CountedConfirms)
+    assert later.transport.awaited_at_once == 0 and now.transport.awaited_at_once == 1
+    later.take_confirmation()()
+    assert later.transport.confirmed == [later.stats.published] and later.stats.published > 0
+    assert later.unconfirmed is None  # taken once
+
+
 def test_a_message_fanned_out_to_several_hosted_clients_is_decoded_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A star whose centre's neighbours all live on one worker: the centre's model reaches that worker's queue once,
     and the worker decodes it once for all of them (and folds it into each); a copy whose body differs from the

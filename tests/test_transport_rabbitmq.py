@@ -313,3 +313,29 @@ def _capture(errors: list[BaseException], fn: object, *args: object) -> None:
         fn(*args)  # type: ignore[operator]
     except BaseException as err:
         errors.append(err)
+
+
+def test_a_confirmation_awaits_the_messages_handed_over_before_it(connect: Connect, names: Names,
+                                                                   rabbitmq_url: str) -> None:
+    """confirmation() takes the pipelined messages so far: called later (here on another thread) it raises the
+    broker's nack of one of them; await_confirms then waits for those published after it only."""
+    transport = connect()
+    exchange, queue = names.exchange("topic"), names.queue("full")
+    transport.declare_exchange(exchange, "topic")
+    connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
+    try:
+        channel = connection.channel()
+        channel.queue_declare(queue, arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+        channel.queue_bind(queue, exchange, "k")
+    finally:
+        connection.close()
+    transport.publish_pipelined([(exchange, "k", b"first", {}), (exchange, "k", b"second", {})])
+    confirmation = transport.confirmation()
+    transport.publish_pipelined([(exchange, "other", b"routed nowhere", {})])
+    transport.await_confirms()  # only the last one: the nack of "second" is the confirmation's
+    errors: list[BaseException] = []
+    waiter = threading.Thread(target=_capture, args=(errors, confirmation))
+    waiter.start()
+    waiter.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], TransportError) and "rejected" in str(errors[0])
+    assert [body for _, body in raw_messages(rabbitmq_url, queue)] == [b"first"]

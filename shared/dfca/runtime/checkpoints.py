@@ -45,27 +45,30 @@ class Checkpoint:
 
 
 class CheckpointWriter:
-    """Writes a runner's checkpoints to `path` on a thread of its own, one at a time and in order; after a write,
-    runs what was submitted with it (the acks of the messages it holds). An error of a write, or of what follows
+    """Writes a runner's checkpoints to `path` on a thread of its own, one at a time and in order; before a write,
+    runs what must precede it (awaiting the confirms of the round's messages), after it, what was submitted with it
+    (the acks of the messages it holds). An error of a write, or of what follows
     it, is raised by the next `submit` or `wait`. The thread lives until `close`: starting one per checkpoint made
     the round loop wait 2-5 ms a round for it to be scheduled on this busy 2-core machine."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._jobs: queue.SimpleQueue[tuple[Checkpoint, Callable[[], object]] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Checkpoint, Callable[[], object]] | None] = \
+            queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def submit(self, checkpoint: Checkpoint, then: Callable[[], object]) -> None:
-        """Write `checkpoint` after the one in flight, then call `then`."""
+    def submit(self, checkpoint: Checkpoint, then: Callable[[], object],
+               first: Callable[[], object] = lambda: None) -> None:
+        """After the one in flight: call `first`, write `checkpoint`, then call `then`."""
         self.wait()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"checkpoint-{self.path.name}", daemon=True)
             self._thread.start()
         self._idle.clear()
-        self._jobs.put((checkpoint, then))
+        self._jobs.put((first, checkpoint, then))
 
     def wait(self) -> None:
         """Until the write in flight (and what follows it) is done; raises its error, if it had one."""
@@ -91,8 +94,9 @@ class CheckpointWriter:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            checkpoint, then = job
+            first, checkpoint, then = job
             try:
+                first()
                 checkpoint.write(self.path)
                 then()
             except BaseException as err:  # handed to the runner's thread

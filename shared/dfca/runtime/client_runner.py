@@ -243,7 +243,8 @@ class ClientRunner:
                 log.warning("experiment %s: worker %d FORGES its clients' messages (%s)", spec.experiment,
                             spec.ordinal, self.forge.label)
                 algorithm = cast(Algorithm, Forger(algorithm, self.forge, cfg.seed))
-            driver = MessageDriver(algorithm, spec.experiment, transport, self._keep_going, workers=spec.workers)
+            driver = MessageDriver(algorithm, spec.experiment, transport, self._keep_going, workers=spec.workers,
+                                   confirm_later=True)
             self.driver = driver
             driver.setup()
             next_round = 0
@@ -314,8 +315,9 @@ class ClientRunner:
             self._apply_control(driver, t)
             complete = driver.run_round(t, cfg.runtime.round_timeout)
             with driver.timed("checkpoint"):
-                acks = transport.take_acks()  # this round's: sent once its checkpoint is on disk
-                self.writer.submit(driver.checkpoint(), lambda acks=acks: transport.ack_now(acks))
+                acks = transport.take_acks()  # this round's: sent once its checkpoint is on disk, which follows
+                self.writer.submit(driver.checkpoint(), lambda acks=acks: transport.ack_now(acks),  # its confirms
+                                   first=driver.take_confirmation())
             self.status.rounds_done = t + 1
             finished = driver.algorithm.finished  # its own stopping rule (FedCRef's): this round is the last
             evaluate = (t + 1) % cfg.eval_every == 0 or t + 1 == total or finished

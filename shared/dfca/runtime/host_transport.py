@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from dfca import topics
 from dfca.transport import Message, QueueLimits, Transport
@@ -106,6 +106,9 @@ class HostTransport(Transport):
 
     def await_confirms(self) -> None:
         self.inner.await_confirms()
+
+    def confirmation(self) -> Callable[[], None]:
+        return self.inner.confirmation()
 
     def _stamped(self, messages: Sequence[Outgoing]) -> list[Outgoing]:
         """The messages with their send time (for the delivery lag), counted as published."""

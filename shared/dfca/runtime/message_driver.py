@@ -159,11 +159,16 @@ def model_key_of(message: Message) -> topics.ModelKey | None:
 
 class MessageDriver:
     def __init__(self, algorithm: Algorithm, experiment: str, transport: Transport,
-                 keep_going: Callable[[], bool] | None = None, workers: int = 1, queue: str | None = None) -> None:
+                 keep_going: Callable[[], bool] | None = None, workers: int = 1, queue: str | None = None,
+                 confirm_later: bool = False) -> None:
         """`workers`: how many workers share the experiment's clients (client c on worker c % workers). `queue`: the
         driver's queue, by default its worker's (topics.worker_queue) or the central role's; lockstep setups whose
-        drivers do not split the clients as c % workers name one each."""
+        drivers do not split the clients as c % workers name one each. `confirm_later`: a round ends without
+        awaiting its messages' confirms; `take_confirmation` gives what awaits them (a worker's checkpoint writer
+        calls it before the round's checkpoint is written)."""
         self.algorithm, self.transport, self.keep_going = algorithm, transport, keep_going
+        self.confirm_later = confirm_later
+        self.unconfirmed: Callable[[], None] | None = None  # the last round's confirms, under confirm_later
         self.experiment = topics.check_word(experiment, "experiment id")
         ctx = algorithm.ctx
         self.cfg, self.schedule, self.side = ctx.cfg, algorithm.schedule, algorithm.side
@@ -402,7 +407,10 @@ class MessageDriver:
 
     def end_round(self) -> None:
         with self.timed("publish"):  # the round's messages are on the broker before it counts as done (checkpoint)
-            self.transport.await_confirms()
+            if self.confirm_later:
+                self.unconfirmed = self.transport.confirmation()
+            else:
+                self.transport.await_confirms()
         with self.timed("mix"):
             self.algorithm.end_round(self.round)
         self.stats.screened = self.algorithm.screened
@@ -678,6 +686,12 @@ class MessageDriver:
     def report(self) -> dict[str, list[Any]]:
         """The hosted clients' evaluation, as a round report carries it."""
         return report_of(self.algorithm.evaluate(), self.ids, self.algorithm.data().true_cluster)
+
+    def take_confirmation(self) -> Callable[[], None]:
+        """Under confirm_later, what awaits the confirms of the last round's messages (to be called before its
+        checkpoint is written: a worker that resumed from it never sends them again); else nothing to await."""
+        unconfirmed, self.unconfirmed = self.unconfirmed, None
+        return unconfirmed or self.transport.confirmation()
 
     def checkpoint(self) -> Checkpoint:
         """The hosted rows' state after the last round, copied: the next round may change it while it is written."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 POLL_S = 0.005  # how often the generic receive_any looks again
@@ -134,6 +134,12 @@ class Transport(ABC):
         broker refused one or a confirm did not come in time. Here every publish was confirmed when it returned."""
         return None
 
+    def confirmation(self) -> Callable[[], None]:
+        """`await_confirms` for the messages handed to `publish_pipelined` so far, to be called later (from any
+        thread, once): later publishes are not its business, and `await_confirms` no longer waits for these. Here
+        there is nothing to await."""
+        return _nothing_to_await
+
     @abstractmethod
     def receive(self, queue: str, timeout: float = 0.0) -> Message | None: ...
 
@@ -176,3 +182,7 @@ class Transport(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _nothing_to_await() -> None:
+    return None

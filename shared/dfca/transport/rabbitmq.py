@@ -384,9 +384,12 @@ class RabbitMQTransport(Transport):
             self._unconfirmed.extend(records)
 
     def await_confirms(self) -> None:
+        self.confirmation()()
+
+    def confirmation(self) -> Callable[[], None]:
         with self._lock:
             records, self._unconfirmed = self._unconfirmed, []
-        self._confirmed(records)
+        return lambda: self._confirmed(records)
 
     def _hand_over(self, messages: Sequence[Outgoing]) -> list[_Publish]:
         self._check_open()
