@@ -19,7 +19,8 @@ from dfca import topics
 from dfca.transport import Message, RabbitMQTransport, Transport, TransportError, connect_transport
 from dfca.transport.amqp_frames import FrameReadingConnection
 from dfca.transport.broker_setup import ensure_broker_topology
-from dfca.transport.rabbitmq import CHUNK_COUNT, CHUNK_ID, CHUNK_INDEX, UNREADABLE_HEADER
+from dfca.transport.chunking import CHUNK_COUNT, CHUNK_ID, CHUNK_INDEX
+from dfca.transport.rabbitmq import UNREADABLE_HEADER
 
 W0 = "worker-0"  # the host word of every client when one worker hosts them all
 
@@ -197,20 +198,27 @@ def test_malformed_chunks_are_handed_on_marked_unreadable_and_the_consumer_goes_
     assert dead_letters == sorted(f"pill {i}".encode() for i in range(len(MALFORMED_CHUNKS)))
 
 
-def test_a_refused_pipelined_publish_surfaces_at_await_confirms(connect: Connect, names: Names,
-                                                                  rabbitmq_url: str) -> None:
-    """publish_pipelined does not wait; the broker's nack of one of its messages (a full queue that refuses
-    publishes) is raised by the next await_confirms, and the one after it has nothing left to raise."""
-    transport = connect()
+def full_queue(transport: Transport, names: Names, url: str) -> tuple[str, str]:
+    """A topic exchange and a queue bound to it under key "k" that holds one message and refuses further publishes
+    (the broker nacks them)."""
     exchange, queue = names.exchange("topic"), names.queue("full")
     transport.declare_exchange(exchange, "topic")
-    connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
+    connection = pika.BlockingConnection(pika.URLParameters(url))
     try:
         channel = connection.channel()
         channel.queue_declare(queue, arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
         channel.queue_bind(queue, exchange, "k")
     finally:
         connection.close()
+    return exchange, queue
+
+
+def test_a_refused_pipelined_publish_surfaces_at_await_confirms(connect: Connect, names: Names,
+                                                                  rabbitmq_url: str) -> None:
+    """publish_pipelined does not wait; the broker's nack of one of its messages (a full queue that refuses
+    publishes) is raised by the next await_confirms, and the one after it has nothing left to raise."""
+    transport = connect()
+    exchange, queue = full_queue(transport, names, rabbitmq_url)
     transport.publish_pipelined([(exchange, "k", b"first", {}), (exchange, "k", b"second", {})])
     with pytest.raises(TransportError, match="rejected"):
         transport.await_confirms()
@@ -320,15 +328,7 @@ def test_a_confirmation_awaits_the_messages_handed_over_before_it(connect: Conne
     """confirmation() takes the pipelined messages so far: called later (here on another thread) it raises the
     broker's nack of one of them; await_confirms then waits for those published after it only."""
     transport = connect()
-    exchange, queue = names.exchange("topic"), names.queue("full")
-    transport.declare_exchange(exchange, "topic")
-    connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
-    try:
-        channel = connection.channel()
-        channel.queue_declare(queue, arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
-        channel.queue_bind(queue, exchange, "k")
-    finally:
-        connection.close()
+    exchange, queue = full_queue(transport, names, rabbitmq_url)
     transport.publish_pipelined([(exchange, "k", b"first", {}), (exchange, "k", b"second", {})])
     confirmation = transport.confirmation()
     transport.publish_pipelined([(exchange, "other", b"routed nowhere", {})])

@@ -3,6 +3,9 @@
 Threading. Pika is not thread-safe, so one I/O thread owns the connection: a `SelectConnection`
 on a private `IOLoop`. Every call from another thread is marshalled onto that loop with
 `IOLoop.add_callback_threadsafe`, and the calling thread waits on a `concurrent.futures.Future`.
+Incoming frames are read by dfca.transport.amqp_frames (one copy a frame; pika's own reader copied a
+frame's bytes again for every 4 kB read). What the I/O thread keeps in flight is in
+dfca.transport.rabbitmq_records; chunked messages' headers in dfca.transport.chunking.
 The I/O thread uses separate channels so that a failing operation cannot disturb the others:
 
 - an *admin* channel for declare/bind/unbind/delete and passive checks, run one at a time so a
@@ -53,14 +56,12 @@ import collections
 import contextlib
 import itertools
 import logging
-import math
 import queue as queue_module
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -71,13 +72,28 @@ from pika.channel import Channel
 
 from dfca.transport.amqp_frames import FrameReadingConnection
 from dfca.transport.base import Message, Outgoing, QueueLimits, Transport, TransportError
+from dfca.transport.chunking import (
+    CHUNK_COUNT,
+    CHUNK_ID,
+    MAX_CHUNKS,
+    RESERVED_HEADER_PREFIX,
+    chunk_headers,
+    chunk_position,
+    delivered_headers,
+    split_body,
+)
+from dfca.transport.rabbitmq_records import (
+    AdminOp,
+    Consumer,
+    Delivery,
+    Frame,
+    PartialMessage,
+    Publish,
+    Topology,
+)
 
 log = logging.getLogger(__name__)
 
-CHUNK_ID = "x-chunk-id"
-CHUNK_INDEX = "x-chunk-index"
-CHUNK_COUNT = "x-chunk-count"
-RESERVED_HEADER_PREFIX = "x-chunk-"
 UNREADABLE_HEADER = "x-unreadable"  # set on a delivery the transport could not take apart; its value says why
 EXCHANGE_KINDS = ("topic", "fanout", "direct")
 MAX_PREFETCH = 65535  # basic.qos prefetch_count is an AMQP short
@@ -85,9 +101,6 @@ RECONNECT_FIRST_DELAY_S = 0.25
 RECONNECT_MAX_DELAY_S = 5.0
 CLOSE_TIMEOUT_S = 15.0
 SETTLED_CHUNK_IDS_KEPT = 4096
-MAX_CHUNKS = 1024  # parts of one chunked message: 16 GiB at the default chunk size
-
-Frame = Any  # a pika method frame; its payload is only passed through
 
 
 def redact_url(url: str) -> str:
@@ -98,44 +111,6 @@ def redact_url(url: str) -> str:
     host = parts.hostname or ""
     netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-
-
-def split_body(body: bytes, chunk_bytes: int) -> list[bytes]:
-    """The parts a body is published as: one part when it fits in `chunk_bytes`."""
-    if len(body) <= chunk_bytes:
-        return [body]
-    count = math.ceil(len(body) / chunk_bytes)
-    return [body[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(count)]
-
-
-def chunk_headers(headers: Mapping[str, str], chunk_id: str, index: int, count: int) -> dict[str, str]:
-    return {**headers, CHUNK_ID: chunk_id, CHUNK_INDEX: str(index), CHUNK_COUNT: str(count)}
-
-
-def chunk_position(raw: Mapping[str, Any]) -> tuple[int, int]:
-    """(index, count) of a chunked message's part; ValueError unless 0 <= index < count <= MAX_CHUNKS."""
-    try:
-        index, count = int(raw[CHUNK_INDEX]), int(raw[CHUNK_COUNT])
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"chunk headers {CHUNK_INDEX}/{CHUNK_COUNT} missing or not integers") from err
-    if not 0 <= index < count <= MAX_CHUNKS:
-        raise ValueError(f"chunk part {index} of {count} (at most {MAX_CHUNKS} parts)")
-    return index, count
-
-
-def delivered_headers(raw: Mapping[str, Any] | None) -> dict[str, str]:
-    """AMQP header table -> the string headers a `Message` carries (chunking headers removed)."""
-    headers: dict[str, str] = {}
-    for key, value in (raw or {}).items():
-        if key.startswith(RESERVED_HEADER_PREFIX):
-            continue
-        if isinstance(value, str):
-            headers[key] = value
-        elif isinstance(value, bytes):
-            headers[key] = value.decode("utf-8", errors="replace")
-        elif isinstance(value, bool | int | float):
-            headers[key] = str(value)
-    return headers
 
 
 def _resolve(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
@@ -155,73 +130,6 @@ def _broker_error(reason: BaseException) -> TransportError:
     if isinstance(reason, pika.exceptions.ChannelClosedByBroker):
         return TransportError(f"broker refused: {reason.reply_code} {reason.reply_text}")
     return TransportError(f"channel closed: {reason!r}")
-
-
-@dataclass
-class _AdminOp:
-    """One declare/bind/delete/check call, run alone on the admin channel."""
-
-    description: str
-    run: Callable[[Channel, Callable[[Frame], None]], None]
-    future: Future[Frame] | None = None
-    on_success: Callable[[], None] | None = None
-    deadline: float = math.inf
-    started: bool = False
-
-
-@dataclass
-class _Publish:
-    exchange: str
-    routing_key: str
-    body: bytes
-    properties: pika.BasicProperties
-    future: Future[None]
-    deadline: float
-    started: bool = False
-
-
-@dataclass
-class _PartialMessage:
-    count: int
-    parts: dict[int, bytes] = field(default_factory=dict)
-    delivery_tags: list[int] = field(default_factory=list)
-    redelivered: bool = False
-    publisher: str | None = None
-
-
-@dataclass
-class _Consumer:
-    """The consumer of one queue; `buffer` is shared with user threads, the rest is I/O-thread state."""
-
-    queue: str
-    started: Future[None] = field(default_factory=Future)
-    buffer: queue_module.Queue[Message | None] = field(default_factory=queue_module.Queue)
-    channel: Channel | None = None
-    generation: int = 0
-    dead: bool = False
-    partial: dict[str, _PartialMessage] = field(default_factory=dict)
-    settled_chunk_ids: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
-    held_chunk_parts: int = 0
-    qos_limit: int = 0
-
-
-@dataclass(frozen=True)
-class _Delivery:
-    """What a `Message.tag` stands for: broker delivery tags on one channel generation."""
-
-    consumer: _Consumer
-    generation: int
-    delivery_tags: tuple[int, ...]
-    chunk_id: str | None  # set for a reassembled chunked message
-
-
-@dataclass
-class _Topology:
-    """Everything this transport declared, redeclared after a reconnect. I/O-thread state."""
-
-    exchanges: dict[str, str] = field(default_factory=dict)
-    queues: dict[str, tuple[dict[str, Any] | None, bool]] = field(default_factory=dict)  # name -> (args, passive)
-    bindings: set[tuple[str, str, str]] = field(default_factory=set)  # (queue, exchange, key)
 
 
 class RabbitMQTransport(Transport):
@@ -259,9 +167,9 @@ class RabbitMQTransport(Transport):
         self._arrivals = 0
         self._closed = False
         self._tags = itertools.count(1)
-        self._deliveries: dict[int, _Delivery] = {}
-        self._unconfirmed: list[_Publish] = []  # publish_pipelined's records until await_confirms
-        self._consumers: dict[str, _Consumer] = {}
+        self._deliveries: dict[int, Delivery] = {}
+        self._unconfirmed: list[Publish] = []  # publish_pipelined's records until await_confirms
+        self._consumers: dict[str, Consumer] = {}
         self._known_exchanges: set[str] = {""}
         self._consumer_start_lock = threading.Lock()
         self._connected = threading.Event()
@@ -274,15 +182,15 @@ class RabbitMQTransport(Transport):
         self._reconnect_delay = RECONNECT_FIRST_DELAY_S
         self._reconnect_timer: object | None = None
         self._ever_connected = False
-        self._topology = _Topology()
+        self._topology = Topology()
         self._admin_channel: Channel | None = None
-        self._admin_ops: collections.deque[_AdminOp] = collections.deque()
-        self._admin_busy: _AdminOp | None = None
+        self._admin_ops: collections.deque[AdminOp] = collections.deque()
+        self._admin_busy: AdminOp | None = None
         self._topology_restored = False
         self._publish_channel: Channel | None = None
         self._publish_ready = False
-        self._pending: collections.deque[_Publish] = collections.deque()
-        self._inflight: dict[int, _Publish] = {}
+        self._pending: collections.deque[Publish] = collections.deque()
+        self._inflight: dict[int, Publish] = {}
         self._publish_seq = 0
 
         self._thread = threading.Thread(target=self._run, name=f"{name}-amqp-io", daemon=True)
@@ -391,7 +299,7 @@ class RabbitMQTransport(Transport):
             records, self._unconfirmed = self._unconfirmed, []
         return lambda: self._confirmed(records)
 
-    def _hand_over(self, messages: Sequence[Outgoing]) -> list[_Publish]:
+    def _hand_over(self, messages: Sequence[Outgoing]) -> list[Publish]:
         self._check_open()
         deadline = time.monotonic() + self.publish_timeout
         records = [r for exchange, key, body, headers in messages
@@ -399,7 +307,7 @@ class RabbitMQTransport(Transport):
         self._submit(lambda: self._enqueue_publishes(records))
         return records
 
-    def _confirmed(self, records: list[_Publish]) -> None:
+    def _confirmed(self, records: list[Publish]) -> None:
         """Wait for each record's confirm (until its deadline); TransportError for a refusal or a timeout."""
         for record in records:
             try:
@@ -412,7 +320,7 @@ class RabbitMQTransport(Transport):
                 ) from None
 
     def _records(self, exchange: str, routing_key: str, body: bytes, headers: Mapping[str, str] | None,
-                 deadline: float) -> list[_Publish]:
+                 deadline: float) -> list[Publish]:
         """One message's publishes: its body in chunks of at most chunk_bytes, each with its own confirm."""
         user_headers = {str(k): str(v) for k, v in (headers or {}).items()}
         if any(k.startswith(RESERVED_HEADER_PREFIX) for k in user_headers):
@@ -424,7 +332,7 @@ class RabbitMQTransport(Transport):
                                  f"at most {MAX_CHUNKS}")
         chunk_id = uuid.uuid4().hex
         return [
-            _Publish(
+            Publish(
                 exchange, routing_key, part,
                 pika.BasicProperties(
                     delivery_mode=pika.DeliveryMode.Persistent, user_id=self.user,
@@ -477,7 +385,7 @@ class RabbitMQTransport(Transport):
 
     def ack_many(self, messages: Sequence[Message]) -> None:
         """One hand-over to the I/O thread for all of them (`ack` wakes it once a message)."""
-        deliveries: list[_Delivery] = []
+        deliveries: list[Delivery] = []
         error: TransportError | None = None
         for message in messages:
             try:
@@ -531,7 +439,7 @@ class RabbitMQTransport(Transport):
         """Run one admin operation on the I/O thread and wait for its result."""
         self._check_open()
         future: Future[Frame] = Future()
-        op = _AdminOp(description, run, future, on_success, time.monotonic() + self.publish_timeout)
+        op = AdminOp(description, run, future, on_success, time.monotonic() + self.publish_timeout)
         self._submit(lambda: self._enqueue_admin(op))
         try:
             return future.result(timeout=self.publish_timeout)
@@ -555,7 +463,7 @@ class RabbitMQTransport(Transport):
         with self._lock:
             self._known_exchanges.add(exchange)
 
-    def _consumer(self, queue: str) -> _Consumer:
+    def _consumer(self, queue: str) -> Consumer:
         with self._lock:
             consumer = self._consumers.get(queue)
         if consumer is not None:
@@ -573,7 +481,7 @@ class RabbitMQTransport(Transport):
                 self._admin(f"check queue {queue!r}", run)
             except TransportError as err:
                 raise TransportError(f"queue {queue!r} is not declared ({err})") from err
-            consumer = _Consumer(queue)
+            consumer = Consumer(queue)
             with self._lock:
                 self._consumers[queue] = consumer
             self._submit(lambda: self._open_consumer(consumer))
@@ -586,7 +494,7 @@ class RabbitMQTransport(Transport):
                 raise TransportError(f"consumer of {queue!r} did not start") from None
             return consumer
 
-    def _take_delivery(self, message: Message) -> _Delivery:
+    def _take_delivery(self, message: Message) -> Delivery:
         self._check_open()
         with self._lock:
             delivery = self._deliveries.pop(message.tag, None)
@@ -728,25 +636,25 @@ class RabbitMQTransport(Transport):
             self._admin_ops.extendleft(reversed(self._restore_topology_ops()))
         self._pump_admin()
 
-    def _restore_topology_ops(self) -> list[_AdminOp]:
-        ops: list[_AdminOp] = []
+    def _restore_topology_ops(self) -> list[AdminOp]:
+        ops: list[AdminOp] = []
         topology = self._topology
         for name, kind in topology.exchanges.items():
-            ops.append(_AdminOp(f"redeclare exchange {name!r}",
+            ops.append(AdminOp(f"redeclare exchange {name!r}",
                                 lambda ch, done, n=name, k=kind: ch.exchange_declare(
                                     n, exchange_type=k, durable=True, callback=done)))
         for name, (arguments, passive) in topology.queues.items():
-            ops.append(_AdminOp(f"redeclare queue {name!r}",
+            ops.append(AdminOp(f"redeclare queue {name!r}",
                                 lambda ch, done, n=name, a=arguments, p=passive: ch.queue_declare(
                                     n, durable=True, passive=p, arguments=a, callback=done)))
         for queue, exchange, key in topology.bindings:
-            ops.append(_AdminOp(f"rebind {queue!r} to {exchange!r} with {key!r}",
+            ops.append(AdminOp(f"rebind {queue!r} to {exchange!r} with {key!r}",
                                 lambda ch, done, q=queue, e=exchange, k=key: ch.queue_bind(
                                     q, e, routing_key=k, callback=done)))
-        ops.append(_AdminOp("topology restored", lambda ch, done: (self._on_topology_restored(), done(None))))
+        ops.append(AdminOp("topology restored", lambda ch, done: (self._on_topology_restored(), done(None))))
         return ops
 
-    def _enqueue_admin(self, op: _AdminOp) -> None:
+    def _enqueue_admin(self, op: AdminOp) -> None:
         self._admin_ops.append(op)
         self._pump_admin()
 
@@ -769,7 +677,7 @@ class RabbitMQTransport(Transport):
                 if op.future is not None:
                     _resolve(op.future, error=TransportError(f"{op.description}: {err!r}"))
 
-    def _on_admin_done(self, op: _AdminOp, frame: Frame) -> None:
+    def _on_admin_done(self, op: AdminOp, frame: Frame) -> None:
         if self._admin_busy is not op:
             return
         self._admin_busy = None
@@ -815,7 +723,7 @@ class RabbitMQTransport(Transport):
 
         channel.confirm_delivery(self._on_confirm, callback=confirm_ok)
 
-    def _enqueue_publishes(self, records: list[_Publish]) -> None:
+    def _enqueue_publishes(self, records: list[Publish]) -> None:
         self._pending.extend(records)
         self._flush_publishes()
 
@@ -868,12 +776,12 @@ class RabbitMQTransport(Transport):
 
     # ------------------------------------------------------------------ I/O thread: consuming
 
-    def _open_consumer(self, consumer: _Consumer) -> None:
+    def _open_consumer(self, consumer: Consumer) -> None:
         if self._open_connection_ready() and consumer.channel is None and not consumer.dead:
             assert self._conn is not None
             self._conn.channel(on_open_callback=lambda ch: self._on_consumer_channel_open(consumer, ch))
 
-    def _on_consumer_channel_open(self, consumer: _Consumer, channel: Channel) -> None:
+    def _on_consumer_channel_open(self, consumer: Consumer, channel: Channel) -> None:
         if consumer.dead or self._closing:
             channel.close()
             return
@@ -894,7 +802,7 @@ class RabbitMQTransport(Transport):
             callback=lambda _frame: _resolve(consumer.started),
         )
 
-    def _on_consumer_channel_closed(self, consumer: _Consumer, channel: Channel, reason: BaseException) -> None:
+    def _on_consumer_channel_closed(self, consumer: Consumer, channel: Channel, reason: BaseException) -> None:
         if channel is not consumer.channel:
             return
         consumer.channel = None
@@ -907,19 +815,19 @@ class RabbitMQTransport(Transport):
                 log.warning("%s: consumer channel of %r closed: %r; reopening", self.name, consumer.queue, reason)
                 self._ioloop.call_later(RECONNECT_FIRST_DELAY_S, lambda: self._open_consumer(consumer))
 
-    def _on_consumer_cancelled(self, consumer: _Consumer, channel: Channel) -> None:
+    def _on_consumer_cancelled(self, consumer: Consumer, channel: Channel) -> None:
         """The broker cancelled the consumer: its queue was deleted."""
         log.info("%s: consumer of %r cancelled by the broker", self.name, consumer.queue)
         self._forget_consumer(consumer)
         self._retire_consumer(consumer)
 
-    def _forget_consumer(self, consumer: _Consumer) -> None:
+    def _forget_consumer(self, consumer: Consumer) -> None:
         consumer.dead = True
         with self._lock:
             if self._consumers.get(consumer.queue) is consumer:
                 del self._consumers[consumer.queue]
 
-    def _retire_consumer(self, consumer: _Consumer) -> None:
+    def _retire_consumer(self, consumer: Consumer) -> None:
         consumer.dead = True
         channel = consumer.channel
         consumer.channel = None
@@ -929,7 +837,7 @@ class RabbitMQTransport(Transport):
         if channel is not None and channel.is_open:
             channel.close()
 
-    def _drop_buffered(self, consumer: _Consumer) -> None:
+    def _drop_buffered(self, consumer: Consumer) -> None:
         """Messages buffered on a dead channel: the broker redelivers them, so drop the local copies."""
         consumer.partial.clear()
         consumer.held_chunk_parts = 0
@@ -943,7 +851,7 @@ class RabbitMQTransport(Transport):
                     self._deliveries.pop(message.tag, None)
 
     def _on_delivery(
-        self, consumer: _Consumer, generation: int, channel: Channel,
+        self, consumer: Consumer, generation: int, channel: Channel,
         method: pika.spec.Basic.Deliver, properties: pika.BasicProperties, body: bytes,
     ) -> None:
         """Nothing one message carries may escape into pika: that would abort the connection, the broker would
@@ -960,7 +868,7 @@ class RabbitMQTransport(Transport):
                         consumer.queue, err, UNREADABLE_HEADER)
             self._hand_on_unreadable(consumer, channel, method, properties, body, err)
 
-    def _accept_delivery(self, consumer: _Consumer, channel: Channel, method: pika.spec.Basic.Deliver,
+    def _accept_delivery(self, consumer: Consumer, channel: Channel, method: pika.spec.Basic.Deliver,
                        properties: pika.BasicProperties, body: bytes) -> None:
         raw = properties.headers or {}
         if CHUNK_ID not in raw:
@@ -972,7 +880,7 @@ class RabbitMQTransport(Transport):
             channel.basic_ack(method.delivery_tag)
             return
         index, count = chunk_position(raw)
-        partial = consumer.partial.setdefault(chunk_id, _PartialMessage(count))
+        partial = consumer.partial.setdefault(chunk_id, PartialMessage(count))
         if partial.count != count:
             raise ValueError(f"chunk {chunk_id}: {CHUNK_COUNT} {count} after {partial.count}")
         if partial.parts and partial.publisher != properties.user_id:
@@ -990,7 +898,7 @@ class RabbitMQTransport(Transport):
         self._deliver(consumer, method.exchange, method.routing_key, whole, raw,
                       tuple(partial.delivery_tags), partial.redelivered, chunk_id, partial.publisher)
 
-    def _hand_on_unreadable(self, consumer: _Consumer, channel: Channel, method: pika.spec.Basic.Deliver,
+    def _hand_on_unreadable(self, consumer: Consumer, channel: Channel, method: pika.spec.Basic.Deliver,
                             properties: pika.BasicProperties, body: bytes, err: Exception) -> None:
         raw = dict(properties.headers or {})
         chunk_id = str(raw.get(CHUNK_ID, ""))
@@ -1013,18 +921,18 @@ class RabbitMQTransport(Transport):
                     channel.basic_reject(tag, requeue=False)
 
     def _deliver(
-        self, consumer: _Consumer, exchange: str, routing_key: str, body: bytes, raw: Mapping[str, Any],
+        self, consumer: Consumer, exchange: str, routing_key: str, body: bytes, raw: Mapping[str, Any],
         delivery_tags: tuple[int, ...], redelivered: bool, chunk_id: str | None, publisher: str | None,
     ) -> None:
         tag = next(self._tags)
         message = Message(exchange, routing_key, body, delivered_headers(raw), tag=tag,
                           redelivered=bool(redelivered), publisher=str(publisher or ""))
         with self._lock:
-            self._deliveries[tag] = _Delivery(consumer, consumer.generation, delivery_tags, chunk_id)
+            self._deliveries[tag] = Delivery(consumer, consumer.generation, delivery_tags, chunk_id)
         consumer.buffer.put(message)
         self._notify_arrival()
 
-    def _adjust_prefetch(self, consumer: _Consumer) -> None:
+    def _adjust_prefetch(self, consumer: Consumer) -> None:
         """Keep room for `prefetch` messages beyond the chunk parts held, so chunked messages complete."""
         channel = consumer.channel
         if channel is None or not channel.is_open:
@@ -1038,11 +946,11 @@ class RabbitMQTransport(Transport):
             return
         channel.basic_qos(prefetch_count=consumer.qos_limit, global_qos=True)
 
-    def _settle_all(self, deliveries: list[_Delivery]) -> None:
+    def _settle_all(self, deliveries: list[Delivery]) -> None:
         for delivery in deliveries:
             self._settle(delivery, lambda ch, tag: ch.basic_ack(tag), final=True)
 
-    def _settle(self, delivery: _Delivery, action: Callable[[Channel, int], None], final: bool) -> None:
+    def _settle(self, delivery: Delivery, action: Callable[[Channel, int], None], final: bool) -> None:
         """Ack or reject every broker delivery behind one message; `final` unless requeued."""
         consumer = delivery.consumer
         channel = consumer.channel
