@@ -168,7 +168,7 @@ class RabbitMQTransport(Transport):
         self._closed = False
         self._tags = itertools.count(1)
         self._deliveries: dict[int, Delivery] = {}
-        self._unconfirmed: list[Publish] = []  # publish_pipelined's records until await_confirms
+        self._unconfirmed: list[Publish] = []  # publish_pipelined's records until await_confirms or confirmation()
         self._consumers: dict[str, Consumer] = {}
         self._known_exchanges: set[str] = {""}
         self._consumer_start_lock = threading.Lock()
