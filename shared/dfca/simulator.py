@@ -42,6 +42,7 @@ from dfca.evaluation import (
     populated_clusters,
 )
 from dfca.graph import adjacency_matrix, build_graph, neighbours
+from dfca.heap import keep_freed_memory
 from dfca.models import BatchedModel, Params, build_model
 from dfca.run_size import check_fits_memory
 from dfca.schedule import RoundSchedule
@@ -261,6 +262,7 @@ def simulate(
 ) -> RunResult:
     """Run `cfg` in the simulator and return its history, summary and final models."""
     torch.set_flush_denormal(True)  # denormals made some rounds 5-8x slower
+    keep_freed_memory()  # each round's large tensors reuse the last round's memory, not fresh pages
     start = time.perf_counter()
     sim = Simulation(prepare(cfg, data))
     schedule = sim.schedule

@@ -38,6 +38,7 @@ from dfca.attacks import Attack, Forger
 from dfca.config import ExperimentConfig
 from dfca.data import FederatedData, build_federated_data
 from dfca.devices import worker_device
+from dfca.heap import keep_freed_memory
 from dfca.models import build_model
 from dfca.run_size import check_fits_memory
 from dfca.runtime.checkpoints import CheckpointWriter
@@ -179,6 +180,7 @@ class ClientRunner:
         spec = self.spec
         try:
             torch.set_flush_denormal(True)
+            keep_freed_memory()
             self.device = worker_device(spec.config.device, spec.device)
             if self._data is None:
                 check_fits_memory(spec.config.estimated_bytes(len(spec.clients)),

@@ -1,0 +1,46 @@
+"""The process heap: keep freed memory for the next allocation instead of handing it back to the kernel.
+
+A simulator round allocates and frees the same large tensors every round (a cluster's models gathered for
+training, the mixed models, activations). glibc returns a freed block above its mmap threshold (adjusted up to
+32 MiB as it goes) to the kernel at once, and trims the top of the heap above 128 KiB, so the next round's
+tensor of the same size is fresh memory again, and the first write of each of its 4 KiB pages is a page fault
+with the page zeroed. On the simulator benchmark's config (100 clients, MLP h=200) that was 34,000-45,000 page
+faults a round, ~30% of the round (`benchmarks/simulator_round.py`; docs/performance.md). With the heap kept,
+~0-600 a round; peak memory (what the process ever held) is unchanged, only what it gives back between rounds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
+M_TOP_PAD = -2
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks up to 32 MiB come from the heap, and are reused there
+TRIM_THRESHOLD = (1 << 31) - 1  # the largest the int argument takes: ~2 GiB of free heap top before trimming
+TOP_PAD = 256 << 20  # each time the heap grows, 256 MiB more (address space: a page is memory once written)
+
+_kept = False
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc's malloc to serve blocks up to 32 MiB from the heap, to grow it in large steps and not to trim it;
+    True once done.
+
+    Process-wide and idempotent. A no-op (False) where the C library is not glibc (macOS, musl, Windows)."""
+    global _kept
+    if _kept:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _kept = all(mallopt(param, value) == 1 for param, value in
+                ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
+    return _kept
