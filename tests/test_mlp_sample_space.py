@@ -106,3 +106,55 @@ def test_both_forms_agree_on_every_device(device: str) -> None:
         for k in init:
             assert p[k].device.type == torch.device(device).type
             torch.testing.assert_close(p[k].cpu(), cpu[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["weights", "samples"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_clients_trained_in_blocks_of_any_size_train_as_each_alone(
+    form: str, momentum: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLP.client_block groups clients into blocks by their working set; a client's training must not depend on which
+    block it is in or how big that block is (in float64 the blocks agree to the last bit but for BLAS's blocking)."""
+    clients, n, d, h = 11, 22, 30, 16
+    g = torch.Generator().manual_seed(3)
+    init = {k: v.double() for k, v in MLP(d, h, 10).init(clients, g).items()}
+    x = torch.rand(clients, n, d, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 10, (clients, n), generator=g)
+    orders = client_permutations(list(range(clients)), n, 3)
+    mask = torch.rand(clients, n, generator=g) < 0.7
+    results = []
+    for fewest, size in ((1, 1), (4, 4), (32, 11)):  # each client alone; blocks of 4, 4, 3; one block of 11
+        monkeypatch.setattr("dfca.models.CLIENT_BLOCK", fewest)
+        monkeypatch.setattr("dfca.models.BLOCK_BYTES", 0)
+        assert MLP(d, h, 10, form).client_block(clients, n, form) == size
+        results.append(trained(form, init, x, y, orders, 5, momentum, mask))
+    for k in init:
+        assert (results[0][k] - init[k]).abs().max() > 0.01
+        for other in results[1:]:
+            torch.testing.assert_close(other[k], results[0][k], rtol=0, atol=1e-12)
+
+
+def test_client_blocks_are_even_and_follow_the_working_set() -> None:
+    mlp = MLP(784, 200, 10)
+    assert mlp.client_block(100, 80, "samples") == 100  # 154 KB a client: the benchmark's 100 in one block
+    assert mlp.client_block(1000, 80, "samples") == 100  # ten blocks of 100 (104 fit 16 MB)
+    assert mlp.client_block(100, 80, "weights") == 25  # w1 is 627 KB a client: four even blocks, not 32+32+32+4
+    assert mlp.client_block(240, 66, "samples") == 120  # 123 KB a client at 66 samples: 136 fit, two blocks of 120
+    assert MLP(784, 2048, 10).client_block(240, 66, "samples") == 30  # 1.1 MB a client: at least 32, evened
+    assert mlp.client_block(0, 80, "samples") == 1  # nothing to train: still a valid step
+    empty = {k: v[:0] for k, v in mlp.init(1, torch.Generator().manual_seed(0)).items()}
+    mlp.sgd(empty, torch.zeros(0, 80, 784), torch.zeros(0, 80, dtype=torch.long), 0.1,
+            client_permutations([], 80, 5), 10)
+
+
+def test_client_permutations_are_each_clients_own_seeded_randperms() -> None:
+    """The sample orders (one generator reseeded per client, stacked once) are the definition: each client's own
+    torch.Generator seeded with its seed, one randperm per epoch; results everywhere depend on it."""
+    seeds = [0, 5, 2**61 + 7, 123456789]
+    orders = client_permutations(seeds, 66, 5)
+    for b, seed in enumerate(seeds):
+        g = torch.Generator().manual_seed(seed)
+        for e in range(5):
+            assert torch.equal(orders[b, e], torch.randperm(66, generator=g))
+    assert client_permutations(seeds, 66, 0).shape == (4, 0, 66)
+    assert client_permutations([], 66, 5).shape == (0, 5, 66)

@@ -17,18 +17,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 Params = dict[str, Tensor]
-CLIENT_BLOCK = 32  # clients trained together; keeps a block's activations in cache
+CLIENT_BLOCK = 32  # the fewest clients trained together (the MLP: more where their working set is small)
+BLOCK_BYTES = 16 << 20  # the MLP trains as many clients together as keep their per-step working set this small
 Batch = tuple[slice, "Tensor | None"]  # positions in an epoch's sample order; which hold kept samples
 
 
 def client_permutations(seeds: Sequence[int], n: int, epochs: int) -> Tensor:
     """[B, epochs, n] per-client sample orders, each from the client's own seed (grouping-independent)."""
-    out = torch.empty(len(seeds), epochs, n, dtype=torch.long)
-    for b, seed in enumerate(seeds):
-        g = torch.Generator().manual_seed(int(seed))
-        for e in range(epochs):
-            out[b, e] = torch.randperm(n, generator=g)
-    return out
+    g = torch.Generator()
+    rows = []
+    for seed in seeds:
+        g.manual_seed(int(seed))
+        rows.extend(torch.randperm(n, generator=g) for _ in range(epochs))
+    if not rows:
+        return torch.empty(len(seeds), epochs, n, dtype=torch.long)
+    return torch.stack(rows).view(len(seeds), epochs, n)
 
 
 def masked_orders(orders: Tensor, sample_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -132,7 +135,7 @@ class MLP(BatchedModel):
         }
 
     def logits(self, params: Params, x: Tensor) -> Tensor:
-        x = x.reshape(x.shape[0], x.shape[1], -1)
+        x = x.reshape(*x.shape[:2], math.prod(x.shape[2:]))
         h = torch.bmm(x, params["w1"]).add_(params["b1"].unsqueeze(1)).relu_()
         return torch.bmm(h, params["w2"]).add_(params["b2"].unsqueeze(1))
 
@@ -152,18 +155,31 @@ class MLP(BatchedModel):
         self, params: Params, x: Tensor, y: Tensor, lr: float, orders: Tensor, batch_size: int,
         momentum: float = 0.0, sample_mask: Tensor | None = None,
     ) -> None:
-        x = x.reshape(x.shape[0], x.shape[1], -1)
+        x = x.reshape(*x.shape[:2], math.prod(x.shape[2:]))
         orders = orders.to(x.device)
         valid = None
         if sample_mask is not None:
             orders, valid = masked_orders(orders, sample_mask)
-        block_sgd = self._sgd_block_samples if self.sgd_form(y.shape[1], orders.shape[1]) == "samples" \
-            else self._sgd_block
-        for lo in range(0, x.shape[0], CLIENT_BLOCK):
-            block = slice(lo, lo + CLIENT_BLOCK)
+        form = self.sgd_form(y.shape[1], orders.shape[1])
+        block_sgd = self._sgd_block_samples if form == "samples" else self._sgd_block
+        size = self.client_block(x.shape[0], y.shape[1], form, momentum > 0)
+        for lo in range(0, x.shape[0], size):
+            block = slice(lo, lo + size)
             p = {k: v[block] for k, v in params.items()}  # views: the block's step writes into params
             block_valid = None if valid is None else valid[block]
             block_sgd(p, x[block], y[block], lr, orders[block], batch_size, momentum, block_valid)
+
+    def client_block(self, clients: int, samples: int, form: str, momentum: bool = False) -> int:
+        """How many clients train together: what keeps the state a step reads and writes within BLOCK_BYTES (at
+        least CLIENT_BLOCK), in blocks of equal size. Each kernel call costs the same whatever its batch, so fewer
+        blocks cost less. The weights form touches w1 (d x h) every step: 32 clients of 784 x 200 are 20 MB. The
+        samples form touches K (n x n), P0 and u (n x h each): 154 KB a client at 80 samples and h = 200, so the
+        benchmark's 100 clients train as one block (faster than blocks of 32 by 1.2-1.4x: docs/performance.md)."""
+        n, h = samples, self.h
+        floats = self.d * h * (2 if momentum else 1) if form == "weights" else n * n + n * h * (3 if momentum else 2)
+        size = max(1, min(clients, max(CLIENT_BLOCK, BLOCK_BYTES // (4 * floats))))
+        blocks = max(1, -(-clients // size))
+        return max(1, -(-clients // blocks))
 
     @staticmethod
     def _epochs(orders: Tensor, bs: int, valid: Tensor | None) -> Iterator[tuple[Tensor, list[Batch]]]:
@@ -232,7 +248,8 @@ class MLP(BatchedModel):
         w1, b1 = p["w1"], p["b1"]
         gram = torch.bmm(x, x.transpose(1, 2)).add_(1.0)  # K = X X^T + 1
         p0 = torch.bmm(x, w1).add_(b1.unsqueeze(1))  # P0 = X w1_0 + b1_0
-        u, vel_u = torch.zeros_like(p0), torch.zeros_like(p0)  # u and its velocity in the data's sample order
+        u = torch.zeros_like(p0)  # u (and with momentum its velocity) in the data's sample order
+        vel_u = torch.zeros_like(p0) if momentum > 0 else None
         state = {"w2t": p["w2"].transpose(1, 2).contiguous(), "b2": p["b2"]}
         w2t, b2 = state.values()
         vel = {k: torch.zeros_like(v) for k, v in state.items()} if momentum > 0 else None
@@ -240,10 +257,10 @@ class MLP(BatchedModel):
             ke = torch.gather(in_order(gram, order), 2, order.unsqueeze(1).expand_as(gram))  # rows and columns
             pe, onehot = in_order(p0, order), F.one_hot(in_order(y, order), self.c).to(x.dtype)
             state["u"] = in_order(u, order)
-            if vel is not None:
+            if vel is not None and vel_u is not None:
                 vel["u"] = in_order(vel_u, order)
             for pos, keep in batches:
-                pre = torch.bmm(ke[:, pos], state["u"]).add_(pe[:, pos])  # X_b w1_t + b1_t
+                pre = torch.baddbmm(pe[:, pos], ke[:, pos], state["u"])  # X_b w1_t + b1_t = P0_b + K_b U_t
                 h = pre.relu()
                 g = self._head_backward(h, w2t, b2, onehot[:, pos], keep)
                 dh = torch.ops.aten.threshold_backward(torch.bmm(g, w2t), pre, 0.0)
@@ -255,7 +272,7 @@ class MLP(BatchedModel):
                     grads["u"][:, pos] = dh
                 self._step(state, grads, lr, momentum, vel, keep)
             put_in_order(u, order, state["u"])
-            if vel is not None:
+            if vel is not None and vel_u is not None:
                 put_in_order(vel_u, order, vel["u"])
         w1.baddbmm_(x.transpose(1, 2), u)
         b1.add_(u.sum(1))
