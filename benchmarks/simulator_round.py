@@ -1,7 +1,7 @@
 """Seconds per simulator round, split by phase, against a per-client PyTorch autograd loop, and how close each phase
 comes to the machine's matrix-multiply rate.
 
-    python benchmarks/simulator_round.py [--clients 100] [--hidden 200] [--batch 10] [--epochs 5] [--rounds 3]
+    python benchmarks/simulator_round.py [--clients 100] [--hidden 200] [--batch 10] [--epochs 5] [--rounds 5]
                                          [--device cpu] [--out docs/results/simulator_round_runs.jsonl]
 
 Prints one table: the simulator's round of DFCA's paper rule (dfca.simulator.Simulation, timed by phase:
@@ -14,8 +14,12 @@ products are launch-bound). With `--device cuda` both rounds and every reference
 span ends with torch.cuda.synchronize(). Training is counted twice: the FLOPs the simulator's kernel executes
 (the MLP's "samples" form where it is cheaper, models.MLP) and the textbook step's (4dh + 6hc a sample: the
 forward and the weight gradients, no input gradient for the first layer), whose rate can exceed the matmul's
-because the kernel does less arithmetic for the same SGD. A second table times the MLP's local SGD alone in both
-forms on the same data. Appends the figures, the commit and the machine's load to --out. Goal: simulator round
+because the kernel does less arithmetic for the same SGD. Each phase is the median round after the first (a
+warm-up); the matmul reference is the best of three loops. A second table times the MLP's local SGD alone in
+both forms on the same data. A third puts that call beside its floor (benchmarks/kernel_floor.py): the products
+it multiplies, each timed alone at its shapes and layouts, then with the elementwise kernels too; the products'
+FLOPs over their seconds alone is the most the call's executed FLOP/s could reach with these kernels if nothing
+else cost anything. Appends the figures, the commit and the machine's load to --out. Goal: simulator round
 <= 0.5x the per-client loop.
 """
 
@@ -24,11 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from kernel_floor import Floor, kernel_floor
 from resumable_runs import commit
 from rich.console import Console
 from rich.table import Table
@@ -36,7 +42,8 @@ from torch import nn
 
 from dfca.algorithms import Algorithm
 from dfca.config import ExperimentConfig
-from dfca.models import CLIENT_BLOCK, MLP, client_permutations
+from dfca.heap import keep_freed_memory
+from dfca.models import MLP, client_permutations
 from dfca.simulator import Simulation, prepare
 
 
@@ -183,15 +190,19 @@ def sgd_forms(ctx: Any, cfg: ExperimentConfig, repeats: int = 3) -> dict[str, fl
     return best
 
 
-def product_gflops(a: torch.Tensor, b: torch.Tensor, reps: int) -> float:
-    """GFLOP/s of a @ b (batched where a and b are), warmed up once, timed over `reps` products."""
+def product_gflops(a: torch.Tensor, b: torch.Tensor, reps: int, loops: int = 3) -> float:
+    """GFLOP/s of a @ b (batched where a and b are), warmed up once: the best of `loops` loops of `reps` products
+    (on this shared machine one loop swung 135-176 GFLOP/s between runs minutes apart)."""
     a @ b
-    synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    synchronize()
-    return 2 * a[..., 0].numel() * a.shape[-1] * b.shape[-1] * reps / (time.perf_counter() - t0) / 1e9
+    best = float("inf")
+    for _ in range(loops):
+        synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a[..., 0].numel() * a.shape[-1] * b.shape[-1] * reps / best / 1e9
 
 
 def reference_shape(device: torch.device) -> tuple[int, int, int]:
@@ -203,11 +214,41 @@ def matmul_gflops(device: torch.device, reps: int = 20) -> float:
     return product_gflops(torch.randn(m, k, device=device), torch.randn(k, n, device=device), reps)
 
 
-def step_product_gflops(batch: int, samples: int, hidden: int, device: torch.device, reps: int = 200) -> float:
-    """The sample-space step's main product alone, K_b U for a block of clients ([32, batch, n] x [32, n, h],
-    models.CLIENT_BLOCK clients): the matmul rate at the shape training actually multiplies."""
-    return product_gflops(torch.randn(CLIENT_BLOCK, batch, samples, device=device),
-                          torch.randn(CLIENT_BLOCK, samples, hidden, device=device), reps)
+def training_floor(ctx: Any, cfg: ExperimentConfig) -> Floor:
+    """The auto form's local SGD (every client, one model each), its kernels each timed alone (kernel_floor)."""
+    d = ctx.data.x_train[0, 0].numel()
+    x, y = ctx.data.x_train.reshape(ctx.n, -1, d), ctx.data.y_train
+    model = MLP(d, cfg.model.hidden, ctx.data.num_classes)
+    params = {name: t.to(ctx.device) for name, t in model.init(ctx.n, torch.Generator().manual_seed(0)).items()}
+    orders = client_permutations(list(range(ctx.n)), y.shape[1], cfg.train.local_epochs)
+    return kernel_floor(lambda: model.sgd(params, x, y, cfg.train.lr, orders, cfg.train.batch_size))
+
+
+def print_floor(console: Console, floor: Floor, actual: float, mm: float, row: dict[str, Any]) -> None:
+    """The third table: local SGD's kernels each timed alone, against the whole call (best of 3, `actual` s)."""
+    products, elementwise = floor.seconds.get("product", 0.0), floor.seconds.get("elementwise", 0.0)
+    gflop = floor.product_flops / 1e9
+    table = Table(title="local SGD's kernels, each timed alone at the shapes and layouts it runs them "
+                        "(benchmarks/kernel_floor.py): the floor under its rate")
+    for column in ("what", "calls", "seconds", "GFLOP/s of its FLOPs", "of matmul", "of the products alone"):
+        table.add_column(column, justify="left" if column == "what" else "right")
+    rows = [("products alone", floor.calls.get("product", 0), products),
+            ("products + elementwise alone", floor.calls.get("product", 0) + floor.calls.get("elementwise", 0),
+             products + elementwise),
+            ("the call itself (best of 3)", sum(floor.calls.values()), actual)]
+    for what, calls, seconds in rows:
+        rate = gflop / seconds
+        table.add_row(what, str(calls), f"{seconds:.3f}", f"{rate:.1f}", f"{rate / mm:.2f}",
+                      f"{products / seconds:.2f}")
+    console.print(table)
+    console.print(f"not timed alone: {floor.calls.get('not timed', 0)} calls on integer or boolean tensors (orders, "
+                  f"indices), {floor.calls.get('view', 0)} views; products' FLOPs {gflop:.2f} GFLOP")
+    for call, count, alone, flops in floor.product_shapes[:8]:
+        console.print(f"  {count:4d} x {call}: {alone * 1e6:.0f} us each, {flops / alone / 1e9 / mm:.2f} of matmul")
+    row["floor"] = {"calls": floor.calls, "seconds": floor.seconds, "product_gflop": gflop,
+                    "products_of_matmul": gflop / products / mm if products else None,
+                    "call_seconds": actual, "call_of_products": products / actual,
+                    "product_shapes": [list(shape) for shape in floor.product_shapes]}
 
 
 def main() -> None:
@@ -217,12 +258,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=10)
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--train", type=int, default=80)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both rounds and the references run")
     p.add_argument("--out", type=Path, default=Path("docs/results/simulator_round_runs.jsonl"),
                    help="JSON lines file the figures are appended to")
     args = p.parse_args()
     torch.set_flush_denormal(True)
+    keep_freed_memory()  # as simulate() does
     load = os.getloadavg()[0]
     ctx = prepare(config(args))
     cfg = ctx.cfg
@@ -235,11 +277,11 @@ def main() -> None:
     ref = [per_client_round(ctx, states) for _ in range(args.rounds)]
     forms = sgd_forms(ctx, cfg)
     mm = matmul_gflops(ctx.device)
-    step_mm = step_product_gflops(args.batch, args.train, args.hidden, ctx.device)
+    floor = training_floor(ctx, cfg)
     phases = ["training", "assignment + inference", "aggregation"]
 
-    def mean(rows: list[dict[str, float]], key: str) -> float:
-        return sum(r[key] for r in rows[1:] or rows) / len(rows[1:] or rows)  # first round is warm-up
+    def median(rows: list[dict[str, float]], key: str) -> float:  # the median round after the first (a warm-up)
+        return statistics.median(r[key] for r in rows[1:] or rows)
 
     d, h = ctx.data.x_train[0, 0].numel(), cfg.model.hidden
     form = MLP(d, h, ctx.data.num_classes).sgd_form(ctx.data.y_train.shape[1], cfg.train.local_epochs)
@@ -255,13 +297,13 @@ def main() -> None:
                            "args": vars(args) | {"out": str(args.out)}, "matmul_gflops": mm, "sgd_form": form,
                            "phases": {}}
     for ph in [*phases, "training (textbook)"]:
-        a, b = mean(vec, ph.split(" (")[0]), mean(ref, ph.split(" (")[0])
+        a, b = median(vec, ph.split(" (")[0]), median(ref, ph.split(" (")[0])
         rate = flops[ph] / a / 1e9
         table.add_row(ph, f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}x", f"{flops[ph] / 1e9:.2f}", f"{rate:.1f}",
                       f"{rate / mm:.2f}")
         row["phases"][ph] = {"seconds": a, "reference_seconds": b, "gflop": flops[ph] / 1e9, "gflops": rate,
                              "of_matmul": rate / mm}
-    va, rb = sum(mean(vec, ph) for ph in phases), sum(mean(ref, ph) for ph in phases)
+    va, rb = sum(median(vec, ph) for ph in phases), sum(median(ref, ph) for ph in phases)
     table.add_row("[bold]round", f"[bold]{va:.3f}", f"[bold]{rb:.3f}", f"[bold]{va / rb:.2f}x (goal <= 0.5x)")
     row["round_seconds"], row["reference_round_seconds"] = va, rb
     console = Console(width=150)
@@ -276,10 +318,7 @@ def main() -> None:
                     f"{executed / seconds / 1e9 / mm:.2f}", f"{textbook / seconds / 1e9:.1f}")
         row[f"sgd_{name}"] = {"seconds": seconds, "gflop": executed / 1e9, "gflops": executed / seconds / 1e9}
     console.print(sgd)
-    row["step_product_gflops"] = step_mm
-    console.print(f"the sample-space step's product alone ([{CLIENT_BLOCK}, {args.batch}, {args.train}] x "
-                  f"[{CLIENT_BLOCK}, {args.train}, {args.hidden}] bmm): {step_mm:.1f} GFLOP/s = {step_mm / mm:.2f} "
-                  "of the matmul reference")
+    print_floor(console, floor, forms[form], mm, row)
     row["load_after"] = os.getloadavg()[0]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:

@@ -29,3 +29,7 @@ def test_simulator_round_writes_each_phases_rate_with_commit_and_load(tmp_path: 
     assert row["sgd_weights"]["gflop"] == phases["training (textbook)"]["gflop"]
     assert row["sgd_samples"]["gflop"] < row["sgd_weights"]["gflop"]
     assert all(p["seconds"] > 0 and p["gflops"] > 0 for p in phases.values())
+    # the floor recorded every product the kernel ran: their FLOPs are the executed count the table divides by
+    floor = row["floor"]
+    assert abs(floor["product_gflop"] - phases["training"]["gflop"]) < 1e-9
+    assert floor["calls"]["product"] > 0 and floor["seconds"]["product"] > 0 and floor["call_seconds"] > 0
