@@ -7,13 +7,16 @@ strides and dtypes, then times each distinct call alone (on fresh tensors of tho
 numbers, warmed up, best of three loops) and adds them up, grouped:
 
 - products: bmm, baddbmm, mm, addmm (and their in-place forms), with their FLOPs (a multiply-add counts two);
-- elementwise: every other call whose tensors are all floating point (ReLU, softmax, add_, sums, zeros, copies);
-- not timed: calls on integer or boolean tensors (sample orders, index_select/index_copy_/gather/scatter with their
-  indices, randperm) and views (slice, transpose, view: no kernel), counted only.
+- elementwise: every other call whose tensors are all floating point (ReLU, softmax, add_, sums, copies);
+- data movement: calls that take integer or boolean tensors (index_select, index_copy_, gather, scatter_, one_hot,
+  masks), replayed with the very indices they were given (random floats for their other tensors);
+- not timed: calls with no tensor argument (randperm, arange, zeros: they create one) and views (slice,
+  transpose, view: no kernel), counted only.
 
 The products' seconds are the least the code could take at those shapes with these kernels even if nothing else
-cost anything, so the products' FLOPs over them bound the rate the code's executed FLOPs can reach. Used by
-simulator_round.py for the MLP's local SGD (docs/performance.md, "The simulator's round").
+cost anything, so the products' FLOPs over them bound the rate the code's executed FLOPs can reach; what the code
+takes beyond all the kernels' seconds alone is Python and dispatch between them. Used by simulator_round.py for
+the MLP's local SGD (docs/performance.md, "The simulator's round").
 """
 
 from __future__ import annotations
@@ -42,9 +45,17 @@ class TensorLayout:
     stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    values: torch.Tensor | None = field(default=None, compare=False, hash=False)  # an integer/boolean tensor's own
 
     def materialize(self) -> torch.Tensor:
-        """A tensor of this layout over random numbers (its own storage, broadcast strides kept)."""
+        """A tensor of this layout (its own storage, broadcast strides kept) over random numbers, or over the
+        recorded values of an integer or boolean tensor (indices must stay in range)."""
+        if self.values is not None:  # a copy of the values (contiguous), broadcast where the original was
+            src = self.values
+            for dim, (size, stride) in enumerate(zip(self.shape, self.stride, strict=True)):
+                if stride == 0 and size > 0:
+                    src = src.narrow(dim, 0, 1)
+            return src.clone().expand(self.shape)
         extent = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=True) if s > 0)
         if any(s == 0 for s in self.shape):
             extent = 0
@@ -54,7 +65,8 @@ class TensorLayout:
 
 def _layout(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return TensorLayout(tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
+        kept = None if value.dtype.is_floating_point else value.detach().clone()
+        return TensorLayout(tuple(value.shape), tuple(value.stride()), value.dtype, value.device, kept)
     if isinstance(value, (list, tuple)):
         return tuple(_layout(v) for v in value)
     return value
@@ -85,9 +97,9 @@ class Call:
             return "view"
         if self.op in PRODUCTS:
             return "product"
-        if all(t.dtype.is_floating_point for t in self.tensors()) and self.tensors():
-            return "elementwise"
-        return "not timed"
+        if not self.tensors():
+            return "not timed"
+        return "elementwise" if all(t.dtype.is_floating_point for t in self.tensors()) else "data movement"
 
     def flops(self) -> int:
         """2 m k n per product (times the batch for bmm/baddbmm); 0 for other calls."""
@@ -153,7 +165,7 @@ def kernel_floor(code: Callable[[], Any]) -> Floor:
     for call, count in recorder.calls.items():
         kind = call.kind
         floor.calls[kind] = floor.calls.get(kind, 0) + count
-        if kind not in ("product", "elementwise"):
+        if kind in ("view", "not timed"):
             continue
         alone = call.seconds_alone()
         floor.seconds[kind] = floor.seconds.get(kind, 0.0) + count * alone

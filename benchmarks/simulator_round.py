@@ -17,10 +17,10 @@ forward and the weight gradients, no input gradient for the first layer), whose 
 because the kernel does less arithmetic for the same SGD. Each phase is the median round after the first (a
 warm-up); the matmul reference is the best of three loops. A second table times the MLP's local SGD alone in
 both forms on the same data. A third puts that call beside its floor (benchmarks/kernel_floor.py): the products
-it multiplies, each timed alone at its shapes and layouts, then with the elementwise kernels too; the products'
-FLOPs over their seconds alone is the most the call's executed FLOP/s could reach with these kernels if nothing
-else cost anything. Appends the figures, the commit and the machine's load to --out. Goal: simulator round
-<= 0.5x the per-client loop.
+it multiplies, each timed alone at its shapes and layouts, then with its elementwise and its index/reorder kernels
+too; the products' FLOPs over their seconds alone is the most the call's executed FLOP/s could reach with these
+kernels if nothing else cost anything, and the call beyond all its kernels is Python and dispatch. Appends the
+figures, the commit and the machine's load to --out. Goal: simulator round <= 0.5x the per-client loop.
 """
 
 from __future__ import annotations
@@ -225,29 +225,33 @@ def training_floor(ctx: Any, cfg: ExperimentConfig) -> Floor:
 
 
 def print_floor(console: Console, floor: Floor, actual: float, mm: float, row: dict[str, Any]) -> None:
-    """The third table: local SGD's kernels each timed alone, against the whole call (best of 3, `actual` s)."""
-    products, elementwise = floor.seconds.get("product", 0.0), floor.seconds.get("elementwise", 0.0)
+    """The third table: local SGD's kernels each timed alone, added up kind by kind, against the whole call (best
+    of 3, `actual` s); what the call takes beyond all of them is Python and dispatch."""
     gflop = floor.product_flops / 1e9
     table = Table(title="local SGD's kernels, each timed alone at the shapes and layouts it runs them "
                         "(benchmarks/kernel_floor.py): the floor under its rate")
     for column in ("what", "calls", "seconds", "GFLOP/s of its FLOPs", "of matmul", "of the products alone"):
         table.add_column(column, justify="left" if column == "what" else "right")
-    rows = [("products alone", floor.calls.get("product", 0), products),
-            ("products + elementwise alone", floor.calls.get("product", 0) + floor.calls.get("elementwise", 0),
-             products + elementwise),
-            ("the call itself (best of 3)", sum(floor.calls.values()), actual)]
-    for what, calls, seconds in rows:
-        rate = gflop / seconds
-        table.add_row(what, str(calls), f"{seconds:.3f}", f"{rate:.1f}", f"{rate / mm:.2f}",
-                      f"{products / seconds:.2f}")
+    products = floor.seconds.get("product", 0.0)
+    calls, seconds, rows = 0, 0.0, []
+    for kind, what in (("product", "products alone"), ("elementwise", "+ elementwise kernels alone"),
+                       ("data movement", "+ index/reorder kernels alone")):
+        calls, seconds = calls + floor.calls.get(kind, 0), seconds + floor.seconds.get(kind, 0.0)
+        rows.append((what, calls, seconds))
+    rows.append(("the call itself (best of 3)", sum(floor.calls.values()), actual))
+    for what, n, s in rows:
+        rate = gflop / s
+        table.add_row(what, str(n), f"{s:.3f}", f"{rate:.1f}", f"{rate / mm:.2f}", f"{products / s:.2f}")
     console.print(table)
-    console.print(f"not timed alone: {floor.calls.get('not timed', 0)} calls on integer or boolean tensors (orders, "
-                  f"indices), {floor.calls.get('view', 0)} views; products' FLOPs {gflop:.2f} GFLOP")
+    console.print(f"the call beyond all its kernels alone (Python, dispatch): {actual - seconds:.3f} s; not timed: "
+                  f"{floor.calls.get('not timed', 0)} tensors created, {floor.calls.get('view', 0)} views; "
+                  f"products' FLOPs {gflop:.2f} GFLOP")
     for call, count, alone, flops in floor.product_shapes[:8]:
         console.print(f"  {count:4d} x {call}: {alone * 1e6:.0f} us each, {flops / alone / 1e9 / mm:.2f} of matmul")
     row["floor"] = {"calls": floor.calls, "seconds": floor.seconds, "product_gflop": gflop,
                     "products_of_matmul": gflop / products / mm if products else None,
-                    "call_seconds": actual, "call_of_products": products / actual,
+                    "kernels_of_matmul": gflop / seconds / mm, "call_seconds": actual,
+                    "call_of_products": products / actual, "call_beyond_kernels_seconds": actual - seconds,
                     "product_shapes": [list(shape) for shape in floor.product_shapes]}
 
 

@@ -1,5 +1,6 @@
 """benchmarks/kernel_floor.py records what a piece of tensor code runs: every product with its FLOPs, the other
-kernels by kind, each timed alone; recording does not change what the code computes."""
+kernels by kind, each timed alone (index calls with their own indices); recording does not change what the code
+computes."""
 
 from __future__ import annotations
 
@@ -27,11 +28,13 @@ def test_calls_are_sorted_by_kind_and_products_counted_by_their_shapes() -> None
         p = torch.bmm(a, b)  # 2 * 3 * 4 * 5 * 6 FLOPs
         q = torch.baddbmm(c, a, b)  # the same product, and an add
         out["y"] = (p + q).relu()[:, 1:].index_select(0, rows)  # two elementwise, a view, an indexed copy
+        out["z"] = torch.zeros(3)  # a tensor created: nothing to time
 
     floor = kernel_floor(code)
-    assert floor.calls == {"product": 2, "elementwise": 2, "view": 1, "not timed": 1}
+    assert floor.calls == {"product": 2, "elementwise": 2, "view": 1, "data movement": 1, "not timed": 1}
     assert floor.product_flops == 2 * (2 * 3 * 4 * 5 * 6)
-    assert floor.seconds["product"] > 0 and floor.seconds["elementwise"] > 0
+    assert floor.seconds.keys() == {"product", "elementwise", "data movement"}
+    assert all(seconds > 0 for seconds in floor.seconds.values())
     assert [count for _, count, _, _ in floor.product_shapes] == [1, 1]
     expected = (torch.bmm(a, b) + torch.baddbmm(c, a, b)).relu()[:, 1:].index_select(0, rows)
     assert torch.equal(out["y"], expected)  # recorded while it ran, computed as without the recorder
