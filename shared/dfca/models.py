@@ -171,11 +171,11 @@ class MLP(BatchedModel):
 
     def client_block(self, clients: int, samples: int, form: str, momentum: bool = False) -> int:
         """How many clients train together: what keeps the state a step reads and writes within BLOCK_BYTES (at
-        least CLIENT_BLOCK), in blocks of equal size. Each kernel call costs the same whatever its batch, so fewer
-        blocks cost less. The weights form touches w1 (d x h) every step: 32 clients of 784 x 200 are 20 MB. The
-        samples form touches K (n x n), P0 and u (n x h each): 154 KB a client at 80 samples and h = 200, so the
-        benchmark's 100 clients train as one block: 1.2-1.4x faster than blocks of 32 at batch 10 and
-        1.1x at batch 50 on its data (docs/performance.md)."""
+        least CLIENT_BLOCK), in blocks of equal size. Each of a step's kernel calls has a fixed cost on top of its
+        work, so fewer blocks cost less. The weights form touches w1 (d x h) every step: 32 clients of 784 x 200
+        are 20 MB. The samples form touches K (n x n), P0 and u (n x h each): 154 KB a client at 80 samples and
+        h = 200, so the benchmark's 100 clients train as one block: 1.2-1.4x faster than blocks of 32 at batch 10
+        and 1.1x at batch 50 on its data (docs/performance.md)."""
         n, h = samples, self.h
         floats = self.d * h * (2 if momentum else 1) if form == "weights" else n * n + n * h * (3 if momentum else 2)
         size = max(1, min(clients, max(CLIENT_BLOCK, BLOCK_BYTES // (4 * floats))))
