@@ -19,16 +19,23 @@ def trained(form: str, init: dict[str, torch.Tensor], x: torch.Tensor, y: torch.
     return p
 
 
+def float64_problem(clients: int, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Generator]:
+    """A small float64 problem: init models, data [clients, 22, 30], labels, 3 epochs of orders, its generator."""
+    n, d, h = 22, 30, 16
+    g = torch.Generator().manual_seed(seed)
+    init = {k: v.double() for k, v in MLP(d, h, 10).init(clients, g).items()}
+    x = torch.rand(clients, n, d, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 10, (clients, n), generator=g)
+    return init, x, y, client_permutations(list(range(clients)), n, 3), g
+
+
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("batch", [4, 7])  # 7 leaves a short last batch of the 22 samples
 def test_sample_space_sgd_is_the_weight_space_sgd_in_float64(momentum: float, masked: bool, batch: int) -> None:
-    clients, n, d, h = 5, 22, 30, 16
-    g = torch.Generator().manual_seed(0)
-    init = {k: v.double() for k, v in MLP(d, h, 10).init(clients, g).items()}
-    x = torch.rand(clients, n, d, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 10, (clients, n), generator=g)
-    orders = client_permutations(list(range(clients)), n, 3)
+    clients, n = 5, 22
+    init, x, y, orders, g = float64_problem(clients, 0)
     mask = None
     if masked:
         mask = torch.rand(clients, n, generator=g) < 0.6
@@ -116,11 +123,7 @@ def test_clients_trained_in_blocks_of_any_size_train_as_each_alone(
     """MLP.client_block groups clients into blocks by their working set; a client's training must not depend on which
     block it is in or how big that block is (in float64 the blocks agree to the last bit but for BLAS's blocking)."""
     clients, n, d, h = 11, 22, 30, 16
-    g = torch.Generator().manual_seed(3)
-    init = {k: v.double() for k, v in MLP(d, h, 10).init(clients, g).items()}
-    x = torch.rand(clients, n, d, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 10, (clients, n), generator=g)
-    orders = client_permutations(list(range(clients)), n, 3)
+    init, x, y, orders, g = float64_problem(clients, 3)
     mask = torch.rand(clients, n, generator=g) < 0.7
     results = []
     for fewest, size in ((1, 1), (4, 4), (32, 11)):  # each client alone; blocks of 4, 4, 3; one block of 11
