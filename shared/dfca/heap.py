@@ -5,9 +5,10 @@ training, the mixed models, activations). glibc returns a freed block above its 
 32 MiB as it goes) to the kernel at once, and trims the top of the heap above 128 KiB, so the next round's
 tensor of the same size is fresh memory again, and the first write of each of its 4 KiB pages is a page fault
 with the page zeroed. On the simulator benchmark's config (100 clients, MLP h=200) that was 34,000-45,000 page
-faults a round, ~0 with the heap kept once it stops growing (`benchmarks/simulator_round.py`, the scale curve;
-docs/performance.md). The process no longer hands memory back between rounds: its peak was within 0.07 GiB of
-what it was from 300 clients on, 0.1-0.24 GiB more at 100. Blocks above 32 MiB still come from mmap.
+faults a round, ~0 with the heap kept once it stops growing (a scratch of 8 rounds; the benchmarks' rounds and
+the scale curve in docs/performance.md). The process no longer hands memory back between rounds: its peak was
+within 0.07 GiB of what it was from 300 clients on, 0.1-0.24 GiB more at 100. Blocks above 32 MiB still come from
+mmap.
 """
 
 from __future__ import annotations
