@@ -7,8 +7,8 @@ tensor of the same size is fresh memory again, and the first write of each of it
 with the page zeroed. On the simulator benchmark's config (100 clients, MLP h=200) that was 34,000-45,000 page
 faults a round, ~0 with the heap kept once it stops growing (a scratch of 8 rounds; the benchmarks' rounds and
 the scale curve in docs/performance.md). The process no longer hands memory back between rounds: its peak was
-within 0.07 GiB of what it was from 300 clients on, 0.1-0.24 GiB more at 100. Blocks above 32 MiB still come from
-mmap.
+within 0.07 GiB of what it was from 300 clients on, 0.1-0.24 GiB more at 100. Blocks above 32 MiB may still
+come from mmap (a scratch found 60 MiB reused from the padded heap, 200 MiB not).
 """
 
 from __future__ import annotations
