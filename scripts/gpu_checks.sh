@@ -31,7 +31,7 @@ python3 -c "import torch; print(torch.__version__, torch.cuda.is_available(), to
 
 step "the device-parametrised tests' cuda cases"
 timeout 180 python3 -m pytest -q -p no:cacheprovider -k cuda -rs \
-  tests/test_devices.py tests/test_driver_equivalence.py tests/test_mlp_sample_space.py
+  tests/test_devices.py tests/test_driver_equivalence.py tests/test_mlp_sample_space.py tests/test_kernel_floor.py
 
 for device in cuda cpu; do
   step "dfca run (the demo) on $device"

@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from test_driver_equivalence import DEVICES, SCHEMA_ALGORITHMS, config_for, small_config
+from test_driver_equivalence import (
+    DEVICES,
+    SCHEMA_ALGORITHMS,
+    assert_rows_match,
+    config_for,
+    small_config,
+    transport_factory,
+)
 from typer.testing import CliRunner
 
 from dfca import devices
@@ -18,8 +25,9 @@ from dfca.devices import DeviceUnavailable, resolve_device, worker_device
 from dfca.graph import build_graph, neighbours
 from dfca.run_size import RunTooLarge, available_bytes, check_fits_memory
 from dfca.runtime.client_runner import ClientRunner, RunSpec
+from dfca.runtime.lockstep import run_lockstep
 from dfca.runtime.messages import RoundReport, WorkerEvent
-from dfca.simulator import simulate
+from dfca.simulator import prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport
 
 
@@ -77,6 +85,22 @@ def test_the_simulator_keeps_every_algorithm_on_its_device(algorithm: str, devic
     params = {name: t for name, t in result.algorithm.state().items() if name.startswith("params.")}
     assert params and all(t.device.type == want for t in params.values())  # bookkeeping may stay on the CPU
     assert result.history[-1]["test_accuracy"] > 0.1  # it trained there (chance is 0.1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_cnn_trains_on_its_device_and_both_drivers_agree(device: str) -> None:
+    """model.kind: cnn (the paper's CNN, a client at a time) on 8x8 digits: it learns (chance is 0.1), its
+    parameters and batch-norm statistics stay on the device, and the message drivers end where the simulator ends."""
+    cfg = small_config(model={"kind": "cnn"}, rounds=4, dfca={"variant": "paper"}, device=device)
+    ctx = prepare(cfg)
+    sim = simulate(cfg, data=ctx.data)
+    assert sim.history[-1]["test_accuracy"] > 0.3
+    assert {t.device.type for t in sim.algorithm.params.values()} == {torch.device(device).type}
+    assert "bn1.running_mean" in sim.algorithm.params
+    run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 2, device=device)
+    for d in run.drivers:
+        assert d.stats.applied > 0 and not d.stats.rejected
+        assert_rows_match(d.algorithm.params, sim.algorithm.params, d.ids)
 
 
 def run_worker(cfg_device: str, env_device: str | None, tmp_path: Path) -> tuple[ClientRunner, list[Any]]:

@@ -160,16 +160,17 @@ def test_seeding_drivers_match_the_simulator(init: str, aggregation: str, hosts:
         assert_rows_match(d.algorithm.params, sim.algorithm.params, d.ids)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("trim", [0.0, 0.25])
-def test_screened_gossip_drivers_match_the_simulator(trim: float) -> None:
+def test_screened_gossip_drivers_match_the_simulator(trim: float, device: str) -> None:
     """`dfca.screen` (core.screened_gossip): the simulator and three message drivers screen the same arrivals and end
     at the same models (the drivers get them one message at a time, the simulator all at once)."""
     cfg = small_config(rounds=3, dfca={"flood_rounds": 2, "seed_epochs": 2, "warmup_rounds": 1,
                                        "warmup_gossip_steps": 3, "gossip_steps": 2, "screen": True,
-                                       "screen_radius": 1.5, "screen_trim": trim})
+                                       "screen_radius": 1.5, "screen_trim": trim}, device=device)
     ctx = prepare(cfg)
     sim = simulate(cfg, data=ctx.data)
-    run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 3)
+    run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 3, device=device)
     assert sim.summary["screened"] > 0  # a tight radius: some honest estimates are dropped, on both drivers alike
     assert sum(d.stats.screened for d in run.drivers) == sim.summary["screened"]
     for d in run.drivers:

@@ -15,20 +15,23 @@ if str(ROOT / "benchmarks") not in sys.path:
     sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kernel_floor import kernel_floor  # noqa: E402
+from test_driver_equivalence import DEVICES  # noqa: E402
 
 from dfca.models import MLP, client_permutations  # noqa: E402
 
 
-def test_calls_are_sorted_by_kind_and_products_counted_by_their_shapes() -> None:
-    a, b, c = torch.randn(3, 4, 5), torch.randn(3, 5, 6), torch.randn(3, 4, 6)
-    rows = torch.tensor([2, 0])
+@pytest.mark.parametrize("device", DEVICES)
+def test_calls_are_sorted_by_kind_and_products_counted_by_their_shapes(device: str) -> None:
+    a, b, c = (torch.randn(3, 4, 5, device=device), torch.randn(3, 5, 6, device=device),
+               torch.randn(3, 4, 6, device=device))
+    rows = torch.tensor([2, 0], device=device)
     out: dict[str, torch.Tensor] = {}
 
     def code() -> None:
         p = torch.bmm(a, b)  # 2 * 3 * 4 * 5 * 6 FLOPs
         q = torch.baddbmm(c, a, b)  # the same product, and an add
         out["y"] = (p + q).relu()[:, 1:].index_select(0, rows)  # two elementwise, a view, an indexed copy
-        out["z"] = torch.zeros(3)  # a tensor created: nothing to time
+        out["z"] = torch.zeros(3, device=device)  # a tensor created: nothing to time
 
     floor = kernel_floor(code)
     assert floor.calls == {"product": 2, "elementwise": 2, "view": 1, "data movement": 1, "not timed": 1}

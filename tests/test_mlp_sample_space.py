@@ -145,6 +145,9 @@ def test_client_blocks_are_even_and_follow_the_working_set() -> None:
     assert mlp.client_block(240, 66, "samples") == 120  # 123 KB a client at 66 samples: 136 fit, two blocks of 120
     assert MLP(784, 2048, 10).client_block(240, 66, "samples") == 30  # 1.1 MB a client: at least 32, evened
     assert mlp.client_block(0, 80, "samples") == 1  # nothing to train: still a valid step
+    assert mlp.client_block(3000, 80, "samples", device_type="cuda") == 3000  # a GPU: up to 1 GiB a block
+    assert mlp.client_block(10000, 80, "samples", device_type="cuda") == 5000
+    assert mlp.client_block(3000, 80, "weights", device_type="cuda") == 1500  # 1,712 fit: two blocks
     empty = {k: v[:0] for k, v in mlp.init(1, torch.Generator().manual_seed(0)).items()}
     mlp.sgd(empty, torch.zeros(0, 80, 784), torch.zeros(0, 80, dtype=torch.long), 0.1,
             client_permutations([], 80, 5), 10)

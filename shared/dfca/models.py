@@ -19,6 +19,7 @@ from torch import Tensor, nn
 Params = dict[str, Tensor]
 CLIENT_BLOCK = 32  # the fewest clients trained together (the MLP: more where their working set is small)
 BLOCK_BYTES = 16 << 20  # the MLP trains as many clients together as keep their per-step working set this small
+GPU_BLOCK_BYTES = 1 << 30  # on a GPU, where each kernel launch costs more than a small block's arithmetic
 Batch = tuple[slice, "Tensor | None"]  # positions in an epoch's sample order; which hold kept samples
 
 
@@ -162,23 +163,27 @@ class MLP(BatchedModel):
             orders, valid = masked_orders(orders, sample_mask)
         form = self.sgd_form(y.shape[1], orders.shape[1])
         block_sgd = self._sgd_block_samples if form == "samples" else self._sgd_block
-        size = self.client_block(x.shape[0], y.shape[1], form, momentum > 0)
+        size = self.client_block(x.shape[0], y.shape[1], form, momentum > 0, x.device.type)
         for lo in range(0, x.shape[0], size):
             block = slice(lo, lo + size)
             p = {k: v[block] for k, v in params.items()}  # views: the block's step writes into params
             block_valid = None if valid is None else valid[block]
             block_sgd(p, x[block], y[block], lr, orders[block], batch_size, momentum, block_valid)
 
-    def client_block(self, clients: int, samples: int, form: str, momentum: bool = False) -> int:
+    def client_block(
+        self, clients: int, samples: int, form: str, momentum: bool = False, device_type: str = "cpu"
+    ) -> int:
         """How many clients train together: what keeps the state a step reads and writes within BLOCK_BYTES (at
         least CLIENT_BLOCK), in blocks of equal size. Each of a step's kernel calls has a fixed cost on top of its
         work, so fewer blocks cost less. The weights form touches w1 (d x h) every step: 32 clients of 784 x 200
         are 20 MB. The samples form touches K (n x n), P0 and u (n x h each): 154 KB a client at 80 samples and
         h = 200, so the benchmark's 100 clients train as one block: 1.2-1.4x faster than blocks of 32 at batch 10
-        and 1.1x at batch 50 on its data (docs/performance.md)."""
+        and 1.1x at batch 50 on its data (docs/performance.md). On a GPU no cache is to be kept and a kernel launch
+        costs more than a small block's arithmetic: blocks of up to GPU_BLOCK_BYTES (thousands of clients)."""
         n, h = samples, self.h
         floats = self.d * h * (2 if momentum else 1) if form == "weights" else n * n + n * h * (3 if momentum else 2)
-        size = max(1, min(clients, max(CLIENT_BLOCK, BLOCK_BYTES // (4 * floats))))
+        budget = BLOCK_BYTES if device_type == "cpu" else GPU_BLOCK_BYTES
+        size = max(1, min(clients, max(CLIENT_BLOCK, budget // (4 * floats))))
         blocks = max(1, -(-clients // size))
         return max(1, -(-clients // blocks))
 
