@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from test_driver_equivalence import DEVICES
 
 from dfca.core import (
     assign_clusters,
@@ -33,6 +34,16 @@ from dfca.wire import TensorSpec, as_received, model_as_received
 def random_params(n: int, k: int, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"w": torch.randn(n, k, 3, 4, generator=g), "b": torch.randn(n, k, 4, generator=g)}
+
+
+def on(device: str, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.to(device) for name, t in params.items()}
+
+
+def products_as(monkeypatch: pytest.MonkeyPatch, sparse: bool) -> None:
+    """Every product factor (sparse_factor.product_factor) CSR, or every one dense, on any device."""
+    for density in ("SPARSE_DENSITY", "GPU_SPARSE_DENSITY"):
+        monkeypatch.setattr(sparse_factor, density, 1.0 if sparse else 0.0)
 
 
 def one_hop(params: dict[str, torch.Tensor], adjacency: torch.Tensor, assigned: torch.Tensor, merge: str) -> None:
@@ -169,11 +180,12 @@ def all_clusters(params: dict[str, torch.Tensor]) -> torch.Tensor:
 @pytest.mark.parametrize("merge", ["paper", "fresh"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("sparse", [False, True])  # the arrivals' coefficients multiplied dense, or as CSR
-def test_fold_models_equals_the_dense_definition(merge: str, weighted: bool, sparse: bool,
+@pytest.mark.parametrize("device", DEVICES)
+def test_fold_models_equals_the_dense_definition(merge: str, weighted: bool, sparse: bool, device: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """fold_models touches only the rows that received something, in place, reading a cluster's sources as a view
     where they are contiguous; the result is (c theta + A x) / (c + A 1) per cluster all the same."""
-    monkeypatch.setattr(sparse_factor, "SPARSE_DENSITY", 1.0 if sparse else 0.0)
+    products_as(monkeypatch, sparse)
     n, k, s = 12, 3, 15
     g = torch.Generator().manual_seed(4)
     params = random_params(n, k, seed=4)
@@ -194,25 +206,29 @@ def test_fold_models_equals_the_dense_definition(merge: str, weighted: bool, spa
         moved = a.sum(1) > 0
         mixed = (own[:, j : j + 1] * flat_before[:, j] + a @ flat_sources) / total.clamp_min(1e-12).unsqueeze(1)
         expected[moved, j] = mixed[moved]
-    weight = own.clone()
-    used = fold_models(params, weight, arrivals, cluster, sources)
+    weight = own.to(device, copy=True)
+    params = on(device, params)
+    used = fold_models(params, weight, arrivals.to(device), cluster.to(device), on(device, sources))
+    params = on("cpu", params)
     torch.testing.assert_close(all_clusters(params), expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(all_clusters(params)[0], flat_before[0])
     assert used == int((arrivals > 0).sum())
-    torch.testing.assert_close(weight, own + arrivals @ torch.nn.functional.one_hot(cluster, k).float())
+    torch.testing.assert_close(weight.cpu(), own + arrivals @ torch.nn.functional.one_hot(cluster, k).float())
 
 
 @pytest.mark.parametrize("payload", [torch.int8, torch.float16])
 @pytest.mark.parametrize("block_bytes", [64 << 20, 200])  # 200 bytes: one row of w at a time
 @pytest.mark.parametrize("untrained_weight", [0.0, 0.3])  # 0: the first step's product takes the trained rows only
 @pytest.mark.parametrize("sparse", [False, True])  # each step's mask multiplied dense, or as CSR
+@pytest.mark.parametrize("device", DEVICES)
 def test_rounded_walk_consensus_is_step_consensus_with_rounded_messages(payload: torch.dtype, block_bytes: int,
                                                                        untrained_weight: float, sparse: bool,
+                                                                       device: str,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The simulator's consensus under lossy payloads (RoundedWalkConsensus, block by block at the round's end)
     equals the message driver's (StepConsensus fed each step's messages as the wire rounds them), with a different
     loss mask at every step, an isolated client and a cluster nobody trained."""
-    monkeypatch.setattr(sparse_factor, "SPARSE_DENSITY", 1.0 if sparse else 0.0)
+    products_as(monkeypatch, sparse)
     n, k = 14, 3
     g = torch.Generator().manual_seed(6)
     params = {"w": torch.randn(n, k, 5, 4, generator=g), "b": torch.randn(n, k, 4, generator=g),
@@ -222,8 +238,9 @@ def test_rounded_walk_consensus_is_step_consensus_with_rounded_messages(payload:
     adjacency[3] = adjacency[:, 3] = False
     assigned = torch.randint(0, k, (n,), generator=g)
     assigned[assigned == 2] = 1
-    m = consensus_weights(assigned, k, untrained_weight)
-    masks = [adjacency & (torch.rand(n, n, generator=g) > 0.2) for _ in range(4)]
+    m = consensus_weights(assigned, k, untrained_weight).to(device)
+    masks = [(adjacency & (torch.rand(n, n, generator=g) > 0.2)).to(device) for _ in range(4)]
+    params = on(device, params)
     spec = {f"num.{name}": TensorSpec(tuple(t.shape[1:])) for name, t in params.items()}
     stepped = {name: t.clone() for name, t in params.items()}
     step = StepConsensus(stepped, m)
@@ -243,16 +260,18 @@ def test_rounded_walk_consensus_is_step_consensus_with_rounded_messages(payload:
         torch.testing.assert_close(rounded[name], stepped[name], rtol=1e-6, atol=1e-6)
         if untrained_weight == 0:  # isolated: its own copy (with weight on every copy, its own mean of k)
             assert torch.equal(rounded[name][3, assigned[3]], params[name][3, assigned[3]])
+        assert rounded[name].device.type == torch.device(device).type
 
 
 @pytest.mark.parametrize("untrained_weight", [0.0, 0.3])
 @pytest.mark.parametrize("walk_form", ["walk", "dense steps", "sparse steps"])
-def test_ratio_consensus_equals_the_dense_ratio(untrained_weight: float, walk_form: str,
+@pytest.mark.parametrize("device", DEVICES)
+def test_ratio_consensus_equals_the_dense_ratio(untrained_weight: float, walk_form: str, device: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """theta_j <- P^G (m_j theta_j) / P^G m_j where reached, else the own copy (core.consensus), in every form:
     the simulator's walk over the whole graph, its G steps one by one (dense or CSR masks; what it picks on large
     sparse graphs) and the message driver's step-by-step num and den."""
-    monkeypatch.setattr(sparse_factor, "SPARSE_DENSITY", 1.0 if walk_form == "sparse steps" else 0.0)
+    products_as(monkeypatch, walk_form == "sparse steps")
     monkeypatch.setattr(consensus, "steps_are_cheaper", lambda *_: walk_form != "walk")
     n, k = 14, 3
     g = torch.Generator().manual_seed(5)
@@ -274,6 +293,7 @@ def test_ratio_consensus_equals_the_dense_ratio(untrained_weight: float, walk_fo
     ratio_consensus(params, m, walk)
     for j in range(k):
         torch.testing.assert_close(flatten_cluster(params, j), expected[j], rtol=1e-5, atol=1e-6)
+    stepped, m, adjacency = on(device, stepped), m.to(device), adjacency.to(device)
     walked, step = WalkConsensus(m), StepConsensus(stepped, m)
     for _ in range(3):
         sent = step.outgoing()
@@ -281,11 +301,14 @@ def test_ratio_consensus_equals_the_dense_ratio(untrained_weight: float, walk_fo
         walked.receive(adjacency, {})
         step.step()
     step.finish(stepped)
+    stepped = on("cpu", stepped)
     for j in range(k):
         torch.testing.assert_close(flatten_cluster(stepped, j), expected[j], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(walked.walk, walk)
-    whole = random_params(n, k, seed=5)
+    torch.testing.assert_close(walked.walk.cpu(), walk)
+    assert all((a.layout == torch.sparse_csr) == (walk_form == "sparse steps") for a, _ in walked.steps)
+    whole = on(device, random_params(n, k, seed=5))
     walked.finish(whole)
+    whole = on("cpu", whole)
     for j in range(k):
         torch.testing.assert_close(flatten_cluster(whole, j), expected[j], rtol=1e-5, atol=1e-6)
 

@@ -11,6 +11,11 @@ A gossip or merge matrix over N clients has about degree x N entries. Where it i
   and density 0.1 as long as the dense product, at N=1,000 and 3,000 with 10 neighbours 1/10 and 1/30 of it.
 (Timed in development, under load, the narrow-block and fold ratios with scratch scripts: compare ratios;
 the end-to-end effect is docs/performance.md's paper-scale run.)
+
+On a GPU the dense product runs near the chip's peak, so CSR (cuSPARSE) pays only on sparser graphs: at most
+GPU_SPARSE_DENSITY full, which large graphs are (10 neighbours of 1,000 clients: 0.01). There a dense step costs
+N^2 multiply-adds a model column, almost all of them by zero: at 10,000 clients a gossip step's dense products
+were 1.6 s of an H100's time (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -21,16 +26,18 @@ import torch
 from torch import Tensor
 
 SPARSE_DENSITY = 0.12
+GPU_SPARSE_DENSITY = 0.02
 SPARSE_ENTRY_COST = 9
 
 
 def product_factor(a: Tensor) -> Tensor:
     """a [R, C] float (dense or CSR) as the first factor of addmm_: CSR where at most SPARSE_DENSITY of it is
-    non-zero (CPU), else dense."""
-    if a.dim() != 2 or a.device.type != "cpu" or a.shape[0] < 2:
+    non-zero (GPU_SPARSE_DENSITY on a GPU), else dense."""
+    if a.dim() != 2 or a.shape[0] < 2:
         return a
     sparse = a.layout == torch.sparse_csr
-    if (a._nnz() if sparse else int(a.count_nonzero())) > SPARSE_DENSITY * a.numel():
+    density = SPARSE_DENSITY if a.device.type == "cpu" else GPU_SPARSE_DENSITY
+    if (a._nnz() if sparse else int(a.count_nonzero())) > density * a.numel():
         return a.to_dense() if sparse else a
     if sparse:
         return a
