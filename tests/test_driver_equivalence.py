@@ -177,20 +177,21 @@ def test_screened_gossip_drivers_match_the_simulator(trim: float, device: str) -
         assert_rows_match(d.algorithm.params, sim.algorithm.params, d.ids)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("payload", ["int8", "float16"])
-def test_lossy_payloads_are_rounded_alike_on_both_drivers(payload: str) -> None:
+def test_lossy_payloads_are_rounded_alike_on_both_drivers(payload: str, device: str) -> None:
     """The default's 8-bit payloads (and float16): the simulator delivers what the message drivers decode, seeds
     relayed between hosts included, so seeding and one round of gossip end at the same models. (Over more rounds
     the two drift apart by a rounding step here and there: float sums in another order land on the other side of
     a rounding boundary.)"""
     cfg = small_config(rounds=1, dfca={"traffic": "lean", "flood_rounds": 2, "seed_epochs": 1, "gossip_steps": 1},
-                       runtime={"payload_dtype": payload})
+                       runtime={"payload_dtype": payload}, device=device)
     assert RoundSchedule(cfg).gossip_steps(RoundSchedule(cfg).seeding_rounds) == 1
     ctx = prepare(cfg)
     sim = simulate(cfg, data=ctx.data)
-    run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 3)
+    run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 3, device=device)
     exact = simulate(small_config(rounds=1, dfca={"traffic": "lean", "flood_rounds": 2, "seed_epochs": 1,
-                                                  "gossip_steps": 1}), data=ctx.data)
+                                                  "gossip_steps": 1}, device=device), data=ctx.data)
     rounding = max(float((sim.algorithm.params[n] - v).abs().max()) for n, v in exact.algorithm.params.items())
     assert rounding > 1e-4  # the payload's rounding shows in the models
     for d in run.drivers:
