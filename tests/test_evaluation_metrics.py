@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from test_driver_equivalence import DEVICES
 
 from dfca.evaluation import disagreement, index_consistency
 
@@ -25,6 +27,20 @@ def test_disagreement_is_mean_squared_distance_to_the_network_mean() -> None:
         assert abs(got - want) < 1e-4 * max(1.0, want)
     same = {name: t[:1].repeat(7, 1, *[1] * (t.dim() - 2)) for name, t in params.items()}
     assert disagreement(same) == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_disagreement_of_nearly_agreeing_models_is_accurate_over_several_blocks_of_rows(device: str) -> None:
+    """After consensus the models differ by little: Disp_j must not vanish in rounding (the shifted form), also
+    with more clients than one block of rows (evaluation.SPREAD_ROWS) and a short last block."""
+    g = torch.Generator().manual_seed(1)
+    base = {"w": torch.randn(1, 2, 40, 30, generator=g) * 5 + 3, "b": torch.randn(1, 2, 30, generator=g)}
+    params = {name: t + 1e-4 * torch.randn(21, *t.shape[1:], generator=g) for name, t in base.items()}
+    f = flat(params).double()
+    expected = [float(((f[:, j] - f[:, j].mean(0)) ** 2).sum(1).mean()) for j in range(2)]
+    got = disagreement({name: t.to(device) for name, t in params.items()})
+    for value, want in zip(got, expected, strict=True):
+        assert abs(value - want) < 1e-4 * want and want > 0
 
 
 def test_index_consistency_counts_edges_whose_nearest_match_is_the_identity() -> None:
