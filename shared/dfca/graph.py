@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
 import networkx as nx
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -14,7 +17,7 @@ def build_graph(topology: TopologyConfig, n: int, seed: int) -> nx.Graph:
     for attempt in range(topology.max_tries):
         s = seed * 10_007 + attempt
         if topology.kind == "erdos_renyi":
-            g = nx.erdos_renyi_graph(n, topology.p, seed=s)
+            g = erdos_renyi_graph(n, topology.p, s)
         elif topology.kind == "barabasi_albert":
             g = nx.barabasi_albert_graph(n, topology.m, seed=s)
         elif topology.kind == "random_geometric":
@@ -31,6 +34,24 @@ def build_graph(topology: TopologyConfig, n: int, seed: int) -> nx.Graph:
         f"topology: no connected {topology.kind} graph over {n} clients in {topology.max_tries} tries; "
         "raise topology.p (or radius)"
     )
+
+
+def erdos_renyi_graph(n: int, p: float, seed: int) -> nx.Graph:
+    """networkx.erdos_renyi_graph(n, p, seed=seed), the same graph edge for edge: it draws one random.Random(seed)
+    number per pair (i, j), i < j, in order, and keeps the pair where it is below p; here the same Mersenne Twister
+    stream is drawn row by row by numpy (its RandomState set to random.Random(seed)'s state gives the same doubles),
+    without a Python call per pair: 0.6 s at 10,000 clients, where networkx's loop over 50 million pairs took 7-18 s
+    and a sparse graph of many clients is often redrawn until connected."""
+    if p >= 1 or p <= 0:
+        return nx.erdos_renyi_graph(n, p, seed=seed)
+    words = random.Random(seed).getstate()[1]  # 624 state words and the position
+    stream = np.random.RandomState()
+    stream.set_state(("MT19937", np.array(words[:-1], dtype=np.uint32), words[-1]))
+    g = nx.empty_graph(n)
+    for i in range(n - 1):
+        hits = np.flatnonzero(stream.random_sample(n - 1 - i) < p) + (i + 1)
+        g.add_edges_from(zip([i] * len(hits), hits.tolist(), strict=True))
+    return g
 
 
 def _with_nodes(g: nx.Graph, n: int) -> nx.Graph:
