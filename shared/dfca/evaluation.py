@@ -93,5 +93,3 @@ def index_consistency(params: Params, adjacency: Tensor) -> float:
         dist = norms_i.unsqueeze(1) + norms_m.unsqueeze(0) - 2 * dots  # squared L2
         consistent += int((dist.argmin(1) == identity).all())
     return consistent / src.numel()
-
-
