@@ -15,7 +15,7 @@ the end-to-end effect is docs/performance.md's paper-scale run.)
 On a GPU the dense product runs near the chip's peak, so CSR (cuSPARSE) pays only on sparser graphs: at most
 GPU_SPARSE_DENSITY full, which large graphs are (10 neighbours of 1,000 clients: 0.01). There a dense step costs
 N^2 multiply-adds a model column, almost all of them by zero: at 10,000 clients a gossip step's dense products
-were 1.6 s of an H100's time (docs/performance.md).
+took about 1.3 s of an H100's time (docs/performance.md).
 """
 
 from __future__ import annotations
