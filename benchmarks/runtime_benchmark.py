@@ -42,16 +42,19 @@ import dfca
 from dfca import topics
 from dfca.config import ExperimentConfig
 from dfca.data import build_federated_data
+from dfca.graph import build_graph, neighbours
 from dfca.models import build_model
+from dfca.runtime import sharding
 from dfca.runtime.host_transport import HostTransport
 from dfca.runtime.launcher import Stack, StackOptions
+from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round
 from dfca.runtime.message_driver import PHASES
 from dfca.runtime.metrics_store import MetricsStore
 from dfca.schedule import RoundSchedule
 from dfca.settings import DEFAULT_BROKER_URL
 from dfca.simulator import simulate
-from dfca.transport import RabbitMQTransport
-from dfca.wire import Envelope, TensorSpec, encode_message
+from dfca.transport import InMemoryBroker, InMemoryTransport, RabbitMQTransport
+from dfca.wire import HEADER_KEYS, Envelope, TensorSpec, body_bytes, encode_message
 
 TOKEN = "benchmark"
 CPU_SAMPLE_S = 0.05  # how often CpuTrace reads the processes' CPU seconds
@@ -92,6 +95,44 @@ def simulator_round_seconds(cfg: dict[str, Any], repeats: int = 2
             by_phase = seconds_by_kind(RoundSchedule(config), rounds)
         accuracy = result.summary["test_accuracy"]
     return best, accuracy, cpu, by_phase
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch computes on one thread inside (as each of the runtime's 3 workers does, OMP_NUM_THREADS=1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def drivers_floor(cfg: dict[str, Any], workers: int = 3) -> tuple[float, dict[str, float], float]:
+    """What the runtime's message drivers cost on their own: `workers` drivers (client c on driver c % workers, as the
+    workers split them) in one process and one thread, in lockstep over the in-memory transport, so no broker, AMQP
+    client, checkpoint, service or waiting. (CPU seconds per round, round 0 left out; their DriverStats phases'
+    seconds per round, summed over the drivers; the clients' mean test accuracy at the end, which is the simulator's:
+    the same run.) What a runtime round costs beyond this is the transport's and the processes' around the
+    drivers."""
+    config = ExperimentConfig.model_validate(cfg)
+    data = build_federated_data(config)
+    graph = neighbours(build_graph(config.topology, config.data.clients, config.seed))
+    broker = InMemoryBroker()
+    drivers = [client_driver(config, "floor", group, data.subset(group), graph, InMemoryTransport(broker),
+                             workers=workers)
+               for group in sharding.assignment(config.data.clients, workers).values()]
+    run = LockstepRun(drivers, None)
+    rounds = RoundSchedule(config).total_rounds
+    with one_thread():
+        lockstep_round(run, 0)
+        before = {p: sum(d.stats.seconds[p] for d in drivers) for p in PHASES}
+        began = time.process_time()
+        for t in range(1, rounds):
+            lockstep_round(run, t)
+        cpu = (time.process_time() - began) / (rounds - 1)
+    accuracy = torch.cat([d.algorithm.evaluate().test_accuracy for d in drivers]).mean().item()
+    return cpu, {p: (sum(d.stats.seconds[p] for d in drivers) - before[p]) / (rounds - 1) for p in PHASES}, accuracy
 
 
 def round_kind(schedule: RoundSchedule, t: int) -> str:
@@ -384,29 +425,95 @@ def exchange_rates(url: str, hidden: int, n: int, repeats: int = 3) -> tuple[flo
     return megabytes / runtime, megabytes / raw, len(body)
 
 
+def gossip_body_bytes(hidden: int, k: int = 2) -> int:
+    """The body of a gossip message of the benchmark's config (k models' numerators and the weights, 8-bit)."""
+    model = build_model("mlp", (1, 28, 28), hidden, 10)
+    spec = {f"num.{name}": TensorSpec((k, *shape)) for name, shape in model.shapes().items()}
+    spec["den"] = TensorSpec((k,), "float32")
+    return body_bytes(spec, {name: s.shape for name, s in spec.items()}, torch.int8)
+
+
+def exchange_cpu(url: str, messages: int, size: int, receivers: int = 2, repeats: int = 10) -> tuple[float, float]:
+    """(CPU seconds of this process, of the RabbitMQ node(s)) per exchange: `messages` bodies of `size` bytes published
+    together through RabbitMQTransport (persistent, confirmed), each delivered to `receivers` queues, received and
+    acknowledged there, as a round's exchange moves them; the mean of `repeats` exchanges."""
+    experiment = f"cpu{uuid.uuid4().hex[:8]}"
+    publisher = RabbitMQTransport(url, name="bench-cpu-pub")
+    consumers = [RabbitMQTransport(url, name=f"bench-cpu-sub{i}") for i in range(receivers)]
+    queues = [f"bench.{experiment}.{i}" for i in range(receivers)]
+    key = topics.model_key(experiment, "worker-0", 1, 0)
+    for consumer, queue in zip(consumers, queues, strict=True):
+        consumer.declare_exchange(topics.MODELS_EXCHANGE)
+        consumer.declare_queue(queue)
+        consumer.bind(queue, topics.MODELS_EXCHANGE, key)
+        consumer.receive(queue, 0.0)  # the consumer started before the clock
+    body, headers = os.urandom(size), {name: "x" * 8 for name in HEADER_KEYS}
+    nodes = broker_pids()
+    process, broker = cpu_seconds(os.getpid()), sum(cpu_seconds(pid) for pid in nodes)
+    for _ in range(repeats):
+        publisher.publish_pipelined([(topics.MODELS_EXCHANGE, key, body, headers)] * messages)
+        for consumer, queue in zip(consumers, queues, strict=True):
+            arrived = []
+            while len(arrived) < messages:
+                if (message := consumer.receive(queue, 30.0)) is None:
+                    raise TimeoutError("an exchange's message did not arrive")
+                arrived.append(message)
+            consumer.ack_many(arrived)
+        publisher.await_confirms()
+    process = (cpu_seconds(os.getpid()) - process) / repeats
+    broker = (sum(cpu_seconds(pid) for pid in nodes) - broker) / repeats
+    for consumer, queue in zip(consumers, queues, strict=True):
+        consumer.delete_queue(queue)
+        consumer.close()
+    publisher.close()
+    return process, broker
+
+
+def exchange_cpu_by_grouping(url: str, hidden: int, clients: int = 24, workers: int = 3, pairs: int = 3
+                             ) -> dict[str, dict[str, float]]:
+    """What one exchange of the benchmark's config costs the transport, its `clients` gossip messages each to the
+    other workers' queues (`workers` - 1), as the runtime sends them (one message per client) and as one message per
+    worker would (the same bytes in `workers` messages): medians of `pairs` alternating measurements."""
+    size = gossip_body_bytes(hidden)
+    runs: dict[str, list[tuple[float, float]]] = {"per client": [], "per worker": []}
+    for _ in range(pairs):
+        runs["per client"].append(exchange_cpu(url, clients, size, workers - 1))
+        runs["per worker"].append(exchange_cpu(url, workers, size * clients // workers, workers - 1))
+    return {grouping: {"messages": clients if grouping == "per client" else workers, "body_bytes": size,
+                       "client_cpu_s": statistics.median(r[0] for r in measured),
+                       "broker_cpu_s": statistics.median(r[1] for r in measured)}
+            for grouping, measured in runs.items()}
+
+
 @contextlib.contextmanager
 def left_over_queues(url: str, count: int, binding: str) -> Iterator[None]:
     """`count` service queues of other deployments, as stacks that are gone leave on a shared broker (every test and
     benchmark run makes a stack): half event queues on dfca.metrics, half control queues on dfca.control, no
     consumer. `binding`: "deployment", each bound to its own deployment's keys as this version binds them
     (topics.deployment_keys), or "all", to every key as versions before it did. Deleted afterwards."""
-    connection = pika.BlockingConnection(pika.URLParameters(url))
-    channel = connection.channel()
+    if count == 0:
+        yield
+        return
     names = []
-    for i in range(count):
-        deployment = f"dleftover{i:04d}"
-        exchange, queue = ((topics.METRICS_EXCHANGE, topics.events_queue(deployment, "metrics")) if i % 2 == 0
-                           else (topics.CONTROL_EXCHANGE, topics.worker_control_queue(deployment, 0)))
-        channel.queue_declare(queue, durable=True, arguments={"x-expires": 3600 * 1000})
-        channel.queue_bind(queue, exchange, topics.deployment_keys(deployment) if binding == "deployment"
-                           else topics.ALL_KEYS)
-        names.append(queue)
+    with contextlib.closing(pika.BlockingConnection(pika.URLParameters(url))) as connection:
+        channel = connection.channel()
+        for i in range(count):
+            deployment = f"dleftover{i:04d}"
+            exchange, queue = ((topics.METRICS_EXCHANGE, topics.events_queue(deployment, "metrics")) if i % 2 == 0
+                               else (topics.CONTROL_EXCHANGE, topics.worker_control_queue(deployment, 0)))
+            channel.queue_declare(queue, durable=True, arguments={"x-expires": 3600 * 1000})
+            channel.queue_bind(queue, exchange, topics.deployment_keys(deployment) if binding == "deployment"
+                               else topics.ALL_KEYS)
+            names.append(queue)
+    # the connection is closed during the run: a blocking connection left idle misses its heartbeats, the broker
+    # drops it after a minute, and closing it afterwards raised (a 300-round run lost its figures so)
     try:
         yield
     finally:
-        for queue in names:
-            channel.queue_delete(queue)
-        connection.close()
+        with contextlib.closing(pika.BlockingConnection(pika.URLParameters(url))) as connection:
+            channel = connection.channel()
+            for queue in names:
+                channel.queue_delete(queue)
 
 
 def idle_service_queues() -> dict[str, int] | None:
@@ -464,6 +571,9 @@ def main() -> None:
               left_over_queues(args.broker, args.left_over_queues, args.left_over_binding)):
             record["idle_service_queues"] = idle_service_queues()
             run_s, run_acc, phases, cpu, by_phase = runtime_profile(cfg, args.broker, Path(tmp))
+        floor_cpu, floor_phases, floor_acc = drivers_floor(cfg)
+        with one_thread():
+            sim1_s, _, sim1_cpu, _ = simulator_round_seconds(cfg, repeats=1)
         rows.append((f"seconds per round ({clients} clients, 3 workers, traffic {args.traffic})", f"{run_s:.3f}",
                      f"{sim_s:.3f} (simulator)", f"{run_s / sim_s:.2f}x", "<= 1.25x"))
         rows.append(("final test accuracy", f"{run_acc:.4f}", f"{sim_acc:.4f} (simulator)", "", ""))
@@ -473,12 +583,25 @@ def main() -> None:
         record.update(clients=clients, runtime_round_seconds=run_s, simulator_round_seconds=sim_s,
                       ratio=run_s / sim_s, runtime_accuracy=run_acc, simulator_accuracy=sim_acc, phases=phases,
                       cpu_seconds_per_round={"simulator": sim_cpu, **cpu},
+                      drivers_floor={"cpu_seconds_per_round": floor_cpu, "phases": floor_phases, "accuracy": floor_acc,
+                                     "simulator_one_thread": {"round_seconds": sim1_s,
+                                                              "cpu_seconds_per_round": sim1_cpu}},
                       seconds_by_schedule_phase={"runtime": by_phase, "simulator": sim_by_phase})
     for hidden in () if args.skip_exchange else (64, 200):
         runtime_rate, raw_rate, size = exchange_rates(args.broker, hidden, args.messages)
         rows.append((f"model exchange MB/s ({size / 1e3:.0f} kB payloads)", f"{runtime_rate:.1f}",
                      f"{raw_rate:.1f} (raw pika)", f"{runtime_rate / raw_rate:.0%}", ">= 70%"))
         record[f"exchange_h{hidden}"] = {"payload_bytes": size, "runtime_mb_s": runtime_rate, "raw_pika_mb_s": raw_rate}
+    if not args.skip_exchange:
+        grouped = exchange_cpu_by_grouping(args.broker, 200 if args.demo else 64)
+        record["exchange_cpu_by_grouping"] = grouped
+        each, batched = grouped["per client"], grouped["per worker"]
+        for what, name in (("this process (publisher and consumers)", "client_cpu_s"),
+                           ("the RabbitMQ node(s)", "broker_cpu_s")):
+            rows.append((f"CPU-s an exchange, {what}: {each['messages']} messages of {each['body_bytes'] / 1e3:.0f} kB "
+                         f"to 2 queues", f"{each[name]:.4f}",
+                         f"{batched[name]:.4f} (the same bytes in {batched['messages']} messages)",
+                         f"{each[name] / batched[name]:.2f}x", ""))
     record["load_after"] = os.getloadavg()[0]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
@@ -502,6 +625,14 @@ def main() -> None:
               f"{cpu['services']:.3f}, the RabbitMQ node(s) on this machine {cpu['broker']:.3f}, together "
               f"{sum(cpu.values()):.3f} = {sum(cpu.values()) / sim_cpu:.2f}x the simulator's, on "
               f"{os.cpu_count()} cores")
+    if (floor := record.get("drivers_floor")) is not None:
+        one = floor["simulator_one_thread"]
+        print(f"\nthe drivers alone (3 message drivers in one process and thread, lockstep, in-memory transport: no "
+              f"broker, AMQP client, checkpoint or service): {floor['cpu_seconds_per_round']:.3f} CPU-s per round = "
+              f"{floor['cpu_seconds_per_round'] / one['cpu_seconds_per_round']:.2f}x the simulator's on one thread "
+              f"({one['cpu_seconds_per_round']:.3f} CPU-s; {one['round_seconds']:.3f} s per round); phases: "
+              + ", ".join(f"{p} {v:.3f}" for p, v in floor["phases"].items() if v)
+              + f"; final test accuracy {floor['accuracy']:.4f} (the simulator's {record['simulator_accuracy']:.4f})")
     if (idle := record.get("idle_service_queues")) is not None:
         print(f"\nthe broker held {idle['all'] + idle['deployment']} service queues no consumer reads when the run "
               f"began ({idle['all']} bound to every key, which get a copy of every event and command)")

@@ -1,0 +1,47 @@
+"""benchmarks/runtime_benchmark.py's pieces that need no stack: the drivers' floor measures the run the simulator
+makes, and the transport comparison sends messages as large as the benchmark's gossip messages."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dfca.algorithms import Exchange
+from dfca.config import ExperimentConfig
+from dfca.data import build_federated_data
+from dfca.graph import build_graph, neighbours
+from dfca.runtime.lockstep import client_driver
+from dfca.simulator import simulate
+from dfca.transport import InMemoryBroker, InMemoryTransport
+from dfca.wire import Envelope, encode_message
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from runtime_benchmark import bench_config, drivers_floor, gossip_body_bytes  # noqa: E402
+
+
+def test_the_drivers_floor_times_the_simulators_run_and_every_phase_of_it() -> None:
+    cfg = bench_config(2)
+    cfg["data"] = {**cfg["data"], "clients": 9, "train_per_client": 40, "test_per_client": 20}
+    threads = torch.get_num_threads()
+    cpu, phases, accuracy = drivers_floor(cfg, workers=3)
+    assert torch.get_num_threads() == threads  # one thread inside only
+    simulated = simulate(ExperimentConfig.model_validate(cfg)).summary["test_accuracy"]
+    assert accuracy == pytest.approx(simulated, abs=1e-6)  # the same run: lockstep drivers agree with the simulator
+    assert accuracy > 0.5  # and a run that learned
+    assert cpu > 0 and all(phases[p] > 0 for p in ("train", "publish", "receive", "mix"))
+    assert phases["wait"] < phases["receive"]  # lockstep: everything due has arrived when a driver collects
+
+
+def test_the_transport_comparison_sends_bodies_as_large_as_a_gossip_message() -> None:
+    config = ExperimentConfig.model_validate(bench_config(2))
+    data = build_federated_data(config)
+    graph = neighbours(build_graph(config.topology, config.data.clients, config.seed))
+    driver = client_driver(config, "size", [0], data.subset([0]), graph, InMemoryTransport(InMemoryBroker()))
+    spec = driver.algorithm.payload(Exchange("gossip"))
+    tensors = {name: torch.rand(s.shape) for name, s in spec.items()}
+    body, _ = encode_message(Envelope("size", 0, 9, "gossip", 0, 0, tensors), spec, torch.int8)
+    assert config.runtime.payload_dtype == "int8" and config.model.hidden == 64
+    assert gossip_body_bytes(64) == len(body)
