@@ -29,7 +29,10 @@ def test_the_drivers_floor_times_the_simulators_run_and_every_phase_of_it() -> N
     cpu, phases, accuracy = drivers_floor(cfg, workers=3)
     assert torch.get_num_threads() == threads  # one thread inside only
     simulated = simulate(ExperimentConfig.model_validate(cfg)).summary["test_accuracy"]
-    assert accuracy == pytest.approx(simulated, abs=1e-6)  # the same run: lockstep drivers agree with the simulator
+    # the same run: lockstep drivers agree with the simulator to float rounding (folded in chunks, in another order),
+    # which may flip one test prediction (the benchmark's own config: 0.8850 against 0.8867, one sample of 600)
+    one_sample = 1 / (cfg["data"]["clients"] * cfg["data"]["test_per_client"])
+    assert accuracy == pytest.approx(simulated, abs=one_sample + 1e-9)
     assert accuracy > 0.5  # and a run that learned
     assert cpu > 0 and all(phases[p] > 0 for p in ("train", "publish", "receive", "mix"))
     assert phases["wait"] < phases["receive"]  # lockstep: everything due has arrived when a driver collects
