@@ -177,7 +177,9 @@ class DFCA(Algorithm):
             seeds = self.seeds
             slot = torch.full_like(rows, seeds.slot)
             ready = {"score": seeds.score.clone(), "origin": seeds.origin.clone()}
-            return Outbox(rows, slot, LazyTensors([*self.params, *ready], seeds.models, ready))
+            # the simulator rounds what it delivers: a relayed candidate need not be rounded before it is sent too
+            models = seeds.origin_models if self.ctx.whole else seeds.models
+            return Outbox(rows, slot, LazyTensors([*self.params, *ready], models, ready))
         if ex.name == "gossip":
             assert self.consensus is not None
             return Outbox(rows, torch.zeros_like(rows), self.consensus.outgoing())

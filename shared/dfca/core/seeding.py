@@ -135,6 +135,17 @@ class SeedCandidates:
             self._models = self._build_models()
         return self._models
 
+    def origin_models(self) -> Params:
+        """[M, ...]: each row's candidate as its origin sent it (the origin's local model), for a driver that hosts
+        every origin and rounds every message it delivers itself (the simulator's `as_received`). The rounding is
+        idempotent, so receivers decode from these what they decode from `models()`, which rounds the relayed
+        candidates before they are sent: this skips that copy and that second rounding every seeding round."""
+        origins = self.origin.tolist()
+        if not all(o in self.row for o in origins):
+            raise ValueError("origin_models needs every candidate's origin hosted here")
+        rows = torch.tensor([self.row[o] for o in origins], device=self.origin.device)
+        return {n: v.index_select(0, rows) for n, v in self.local.items()}
+
     def _build_models(self) -> Params:
         if all(o in self.row for o in self.origin.tolist()):
             rows = torch.tensor([self.row[o] for o in self.origin.tolist()], device=self.origin.device)
