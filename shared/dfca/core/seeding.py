@@ -148,8 +148,7 @@ class SeedCandidates:
 
     def _build_models(self) -> Params:
         if all(o in self.row for o in self.origin.tolist()):
-            rows = torch.tensor([self.row[o] for o in self.origin.tolist()], device=self.origin.device)
-            out = {n: v.index_select(0, rows) for n, v in self.local.items()}
+            out = self.origin_models()
         else:
             chosen = [self.model(o) for o in self.origin.tolist()]
             out = {n: torch.stack([c[n] for c in chosen]) for n in self.local}
