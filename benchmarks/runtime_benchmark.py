@@ -108,13 +108,13 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def drivers_floor(cfg: dict[str, Any], workers: int = 3) -> tuple[float, dict[str, float], float]:
+def drivers_floor(cfg: dict[str, Any], workers: int = 3) -> tuple[float, dict[str, float], float, dict[str, float]]:
     """What the runtime's message drivers cost on their own: `workers` drivers (client c on driver c % workers, as the
     workers split them) in one process and one thread, in lockstep over the in-memory transport, so no broker, AMQP
     client, checkpoint, service or waiting. (CPU seconds per round, round 0 left out; their DriverStats phases'
     seconds per round, summed over the drivers; the clients' mean test accuracy at the end, which is the simulator's:
-    the same run.) What a runtime round costs beyond this is the transport's and the processes' around the
-    drivers."""
+    the same run; their phases' CPU seconds per round, DriverStats.cpu_seconds, summed.) What a runtime round costs
+    beyond this is the transport's and the processes' around the drivers."""
     config = ExperimentConfig.model_validate(cfg)
     data = build_federated_data(config)
     graph = neighbours(build_graph(config.topology, config.data.clients, config.seed))
@@ -127,12 +127,14 @@ def drivers_floor(cfg: dict[str, Any], workers: int = 3) -> tuple[float, dict[st
     with one_thread():
         lockstep_round(run, 0)
         before = {p: sum(d.stats.seconds[p] for d in drivers) for p in PHASES}
+        before_cpu = {p: sum(d.stats.cpu_seconds[p] for d in drivers) for p in PHASES}
         began = time.process_time()
         for t in range(1, rounds):
             lockstep_round(run, t)
         cpu = (time.process_time() - began) / (rounds - 1)
     accuracy = torch.cat([d.algorithm.evaluate().test_accuracy for d in drivers]).mean().item()
-    return cpu, {p: (sum(d.stats.seconds[p] for d in drivers) - before[p]) / (rounds - 1) for p in PHASES}, accuracy
+    return (cpu, {p: (sum(d.stats.seconds[p] for d in drivers) - before[p]) / (rounds - 1) for p in PHASES}, accuracy,
+            {p: (sum(d.stats.cpu_seconds[p] for d in drivers) - before_cpu[p]) / (rounds - 1) for p in PHASES})
 
 
 def round_kind(schedule: RoundSchedule, t: int) -> str:
@@ -219,35 +221,49 @@ def runtime_round_seconds(cfg: dict[str, Any], broker: str, state_dir: Path,
                           during: Callable[[str], Callable[[], None]] | None = None) -> tuple[float, float]:
     """(steady-state seconds per round, final accuracy) of one runtime run; `broker_users`: each process its own
     broker user; `during(experiment)` starts something alongside the run and returns how to stop it."""
-    seconds, accuracy, _, _, _ = runtime_profile(cfg, broker, state_dir, broker_users, during)
+    seconds, accuracy, *_ = runtime_profile(cfg, broker, state_dir, broker_users, during)
     return seconds, accuracy
 
 
 def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
                     during: Callable[[str], Callable[[], None]] | None = None
-                    ) -> tuple[float, float, dict[str, float], dict[str, float], dict[str, float]]:
+                    ) -> tuple[float, float, dict[str, float], dict[str, float], dict[str, float], dict[str, float],
+                               dict[str, float]]:
     """`runtime_round_seconds`, where a round's time goes (each phase's seconds per round: the message driver's
     DriverStats.seconds, PHASES, mean over the workers), the CPU seconds per round of each group of processes
-    (`runtime_run`'s `cpu`) over the same rounds as the seconds per round, and the seconds per round of each kind
-    (`round_kind`: seeding, merge, gossip)."""
+    (`runtime_run`'s `cpu`) over the same rounds as the seconds per round, the seconds per round of each kind
+    (`round_kind`: seeding, merge, gossip), and each phase's CPU seconds per round in the workers' round loops
+    (DriverStats.cpu_seconds, summed over the workers; `loop`: the round loops' threads in all), and the CPU seconds
+    per round of each other service (topology, metrics). Every figure over the same steady-state rounds: from the
+    first round's end to the last's."""
     cpu: list[CpuTrace] = []
     summary, reports = runtime_run(cfg, broker, state_dir, broker_users, during, cpu)
     done_at: dict[int, float] = {}
+    first: dict[int, Any] = {}
     last: dict[int, Any] = {}
     for report in reports:  # a round is done when its last worker reports it
         done_at[report.round] = max(done_at.get(report.round, 0.0), report.at)
         if report.round >= last.get(report.worker, report).round:
             last[report.worker] = report
+        if report.round <= first.get(report.worker, report).round:
+            first[report.worker] = report
     rounds = sorted(done_at)
-    phases = {p: statistics.mean(r.stats.get("seconds", {}).get(p, 0.0) / (r.round + 1) for r in last.values())
-              for p in PHASES}
-    per_round = {name: seconds / (len(rounds) - 1)
-                 for name, seconds in cpu[0].between(done_at[rounds[0]], done_at[rounds[-1]]).items()}
+
+    def per_round(key: str, phase: str, worker: int) -> float:  # a worker's cumulative stat, per steady round
+        a, b = first[worker], last[worker]
+        return (b.stats.get(key, {}).get(phase, 0.0) - a.stats.get(key, {}).get(phase, 0.0)) / (b.round - a.round)
+
+    phases = {p: statistics.mean(per_round("seconds", p, w) for w in last) for p in PHASES}
+    phases_cpu = {p: sum(per_round("cpu_seconds", p, w) for w in last) for p in (*PHASES, "loop")}
+    groups = {name: seconds / (len(rounds) - 1)
+              for name, seconds in cpu[0].between(done_at[rounds[0]], done_at[rounds[-1]]).items()}
+    services = {name.removeprefix("service "): v for name, v in groups.items() if name.startswith("service ")}
+    cpu_per_round = {"workers": groups["workers"], "services": sum(services.values()), "broker": groups["broker"]}
     by_phase = seconds_by_kind(RoundSchedule(ExperimentConfig.model_validate(cfg)),  # a report's round r: the
                                [(r - 1, done_at[r] - done_at[before])  # schedule's round r - 1
                                 for before, r in zip(rounds, rounds[1:], strict=False)])
     return ((done_at[rounds[-1]] - done_at[rounds[0]]) / (len(rounds) - 1), summary["test_accuracy"], phases,
-            per_round, by_phase)
+            cpu_per_round, by_phase, phases_cpu, services)
 
 
 def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
@@ -269,7 +285,8 @@ def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users:
                            timeout=30)
         experiment = api.post("/experiments", json=cfg).raise_for_status().json()["id"]
         groups = {"workers": [p.pid for p in stack.services.values() if p.service == "worker" and p.pid],
-                  "services": [p.pid for p in stack.services.values() if p.service != "worker" and p.pid],
+                  **{f"service {p.service}": [p.pid] for p in stack.services.values() if p.service != "worker"
+                     and p.pid},
                   "broker": broker_pids()}
         trace = CpuTrace(groups)
         trace.start()
@@ -570,8 +587,8 @@ def main() -> None:
         with (tempfile.TemporaryDirectory() as tmp,
               left_over_queues(args.broker, args.left_over_queues, args.left_over_binding)):
             record["idle_service_queues"] = idle_service_queues()
-            run_s, run_acc, phases, cpu, by_phase = runtime_profile(cfg, args.broker, Path(tmp))
-        floor_cpu, floor_phases, floor_acc = drivers_floor(cfg)
+            run_s, run_acc, phases, cpu, by_phase, phases_cpu, services = runtime_profile(cfg, args.broker, Path(tmp))
+        floor_cpu, floor_phases, floor_acc, floor_phases_cpu = drivers_floor(cfg)
         with one_thread():
             sim1_s, _, sim1_cpu, _ = simulator_round_seconds(cfg, repeats=1)
         rows.append((f"seconds per round ({clients} clients, 3 workers, traffic {args.traffic})", f"{run_s:.3f}",
@@ -582,8 +599,10 @@ def main() -> None:
                          f"{by_phase[phase] / sim_by_phase[phase]:.2f}x", ""))
         record.update(clients=clients, runtime_round_seconds=run_s, simulator_round_seconds=sim_s,
                       ratio=run_s / sim_s, runtime_accuracy=run_acc, simulator_accuracy=sim_acc, phases=phases,
-                      cpu_seconds_per_round={"simulator": sim_cpu, **cpu},
+                      phases_cpu=phases_cpu, cpu_seconds_per_round={"simulator": sim_cpu, **cpu},
+                      services_cpu_seconds_per_round=services,
                       drivers_floor={"cpu_seconds_per_round": floor_cpu, "phases": floor_phases, "accuracy": floor_acc,
+                                     "phases_cpu": floor_phases_cpu,
                                      "simulator_one_thread": {"round_seconds": sim1_s,
                                                               "cpu_seconds_per_round": sim1_cpu}},
                       seconds_by_schedule_phase={"runtime": by_phase, "simulator": sim_by_phase})
@@ -622,10 +641,27 @@ def main() -> None:
         print("\nCPU seconds per round (user + system; the simulator: every round, the first included; the runtime: "
               "from the first round's end to the last's, as its seconds per round): the simulator "
               f"{sim_cpu:.3f}; the runtime's workers {cpu['workers']:.3f}, its other services "
-              f"{cpu['services']:.3f}, the RabbitMQ node(s) on this machine {cpu['broker']:.3f}, together "
+              f"{cpu['services']:.3f} ("
+              + ", ".join(f"{name} {v:.3f}" for name, v in record["services_cpu_seconds_per_round"].items())
+              + f"), the RabbitMQ node(s) on this machine {cpu['broker']:.3f}, together "
               f"{sum(cpu.values()):.3f} = {sum(cpu.values()) / sim_cpu:.2f}x the simulator's, on "
               f"{os.cpu_count()} cores")
-    if (floor := record.get("drivers_floor")) is not None:
+    if (floor := record.get("drivers_floor")) is not None and (loops := record.get("phases_cpu")) is not None:
+        print("\nwhere the CPU goes (CPU-s per round, summed over the 3 workers; the drivers alone: the same 3 drivers "
+              "in one thread, below):\n")
+        print("| phase | runtime's round loops | drivers alone | ratio |\n|---|---|---|---|")
+        for phase in PHASES:
+            alone = floor["phases_cpu"][phase]
+            print(f"| {phase} | {loops[phase]:.4f} | {alone:.4f} | "
+                  f"{f'{loops[phase] / alone:.2f}x' if alone > 1e-4 else ''} |")
+        phased = sum(loops[p] for p in PHASES)
+        print(f"| the round loops beyond the phases (round reports, controls) | {loops['loop'] - phased:.4f} | | |")
+        print(f"| the workers' other threads (AMQP I/O, checkpoint writer, HTTP, heartbeats) | "
+              f"{record['cpu_seconds_per_round']['workers'] - loops['loop']:.4f} | | |")
+        print(f"| the workers in all | {record['cpu_seconds_per_round']['workers']:.4f} | "
+              f"{floor['cpu_seconds_per_round']:.4f} | "
+              f"{record['cpu_seconds_per_round']['workers'] / floor['cpu_seconds_per_round']:.2f}x |")
+    if floor is not None:
         one = floor["simulator_one_thread"]
         print(f"\nthe drivers alone (3 message drivers in one process and thread, lockstep, in-memory transport: no "
               f"broker, AMQP client, checkpoint or service): {floor['cpu_seconds_per_round']:.3f} CPU-s per round = "

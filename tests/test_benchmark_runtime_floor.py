@@ -26,7 +26,7 @@ def test_the_drivers_floor_times_the_simulators_run_and_every_phase_of_it() -> N
     cfg = bench_config(2)
     cfg["data"] = {**cfg["data"], "clients": 9, "train_per_client": 40, "test_per_client": 20}
     threads = torch.get_num_threads()
-    cpu, phases, accuracy = drivers_floor(cfg, workers=3)
+    cpu, phases, accuracy, phases_cpu = drivers_floor(cfg, workers=3)
     assert torch.get_num_threads() == threads  # one thread inside only
     simulated = simulate(ExperimentConfig.model_validate(cfg)).summary["test_accuracy"]
     # the same run: lockstep drivers agree with the simulator to float rounding (folded in chunks, in another order),
@@ -36,6 +36,9 @@ def test_the_drivers_floor_times_the_simulators_run_and_every_phase_of_it() -> N
     assert accuracy > 0.5  # and a run that learned
     assert cpu > 0 and all(phases[p] > 0 for p in ("train", "publish", "receive", "mix"))
     assert phases["wait"] < phases["receive"]  # lockstep: everything due has arrived when a driver collects
+    # each phase's CPU time (the one thread's): within its seconds, and the phases together most of the process's CPU
+    assert all(0 < phases_cpu[p] <= phases[p] * 1.05 + 1e-3 for p in ("train", "publish", "receive", "mix"))
+    assert 0.5 * cpu < sum(phases_cpu.values()) <= cpu * 1.05
 
 
 def test_the_transport_comparison_sends_bodies_as_large_as_a_gossip_message() -> None:

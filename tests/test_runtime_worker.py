@@ -123,6 +123,11 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path: Path) -> N
     share = second[-2]  # the worker's share of the final models goes out before `finished`
     assert isinstance(share, FinalModelsShare) and share.worker == 0
     assert final.stats["timeouts"] == 0 and final.stats["applied"] > 0
+    # where the round loop's CPU went: each phase's CPU time within its seconds, and the loop's thread in all (from
+    # the first round's start to this report) at least what its phases took
+    cpu, seconds = final.stats["cpu_seconds"], final.stats["seconds"]
+    assert all(0 <= cpu[p] <= seconds[p] + 1e-3 for p in seconds) and cpu["train"] > 0 and cpu["receive"] > 0
+    assert sum(cpu[p] for p in seconds) - 1e-3 <= cpu["loop"] <= sum(seconds.values()) + 1.0
 
 
 def test_clients_carry_on_without_a_silent_neighbour_worker(tmp_path: Path) -> None:

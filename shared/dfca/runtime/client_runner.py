@@ -310,6 +310,7 @@ class ClientRunner:
     def _rounds(self, driver: MessageDriver, transport: HostTransport, start: int) -> None:
         cfg = self.spec.config
         total = driver.schedule.total_rounds
+        cpu = time.thread_time()  # this thread's CPU over the rounds (DriverStats.cpu_seconds["loop"])
         for t in range(start, total):
             if self._stop.is_set():
                 raise RunInterrupted
@@ -323,10 +324,14 @@ class ClientRunner:
             self.status.rounds_done = t + 1
             finished = driver.algorithm.finished  # its own stopping rule (FedCRef's): this round is the last
             evaluate = (t + 1) % cfg.eval_every == 0 or t + 1 == total or finished
+            report = driver.report() if evaluate else None
+            now = time.thread_time()  # (the last round's report was sent after its reading: counted here)
+            driver.stats.cpu_seconds["loop"] += now - cpu
+            cpu = now
             self.emit(RoundReport(
                 deployment=self.spec.deployment, experiment=self.spec.experiment, worker=self.spec.ordinal,
                 incarnation=self.incarnation, round=t + 1, clients=driver.ids, complete=complete,
-                seconds=time.perf_counter() - began, evaluation=driver.report() if evaluate else None,
+                seconds=time.perf_counter() - began, evaluation=report,
                 stats=driver.stats.as_dict(), lag_seconds=transport.take_lag(),
                 bytes_published=driver.take_bytes_sent(), dead_neighbours=sorted(driver.liveness.dead),
             ))

@@ -105,6 +105,8 @@ Identity = tuple[int, int, int, str, int, int]  # receiver, sender, round, excha
 # and folding what arrived; wait = the rest of collecting (nothing to do: waiting on neighbours or the broker);
 # mix = end_exchange and end_round (a gossip step's mixing, the losses for the next assignment); checkpoint = what a
 # worker's round loop spends on the round's checkpoint (copying the state, waiting for the write before; the runner's).
+# DriverStats.cpu_seconds: the same phases' CPU time of the thread that runs them (the round loop's), and `loop`: that
+# thread's CPU time over whole rounds (what it spends beyond the phases: the runner's round reports and controls).
 PHASES = ("train", "publish", "receive", "wait", "mix", "checkpoint")
 
 
@@ -122,11 +124,13 @@ class DriverStats:
     blocked: int = 0  # senders cut off for flooding malformed messages
     rejected: Counter[str] = field(default_factory=Counter)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # per phase, see PHASES
+    cpu_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*PHASES, "loop"), 0.0))
 
     def as_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k not in ("rejected", "seconds")}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("rejected", "seconds", "cpu_seconds")}
         out["rejected"] = dict(self.rejected)
         out["seconds"] = dict(self.seconds)
+        out["cpu_seconds"] = dict(self.cpu_seconds)
         out["rejected_total"] = sum(self.rejected.values())
         return out
 
@@ -321,11 +325,12 @@ class MessageDriver:
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             self.stats.seconds[phase] += time.perf_counter() - began
+            self.stats.cpu_seconds[phase] += time.thread_time() - cpu
 
     def take_bytes_sent(self) -> int:
         sent, self.bytes_sent = self.bytes_sent, 0
@@ -369,6 +374,7 @@ class MessageDriver:
         """Receive the open exchange's messages until none is due or its deadline passes. True if none is missing."""
         ex = self.exchanges[self.index]
         began, received = time.perf_counter(), self.stats.seconds["receive"]
+        cpu, received_cpu = time.thread_time(), self.stats.cpu_seconds["receive"]
         while any(self.waiting):
             if arrived := self._arrived():
                 self._take(arrived)
@@ -393,6 +399,7 @@ class MessageDriver:
             self._fold(sorted(self.batch, key=lambda d: (d.envelope.sender, d.row)))
         self.batch = []
         self.stats.seconds["wait"] += time.perf_counter() - began - (self.stats.seconds["receive"] - received)
+        self.stats.cpu_seconds["wait"] += time.thread_time() - cpu - (self.stats.cpu_seconds["receive"] - received_cpu)
         return not missing
 
     def _check_keep_going(self, now: float) -> None:
