@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy
 import torch
 import uvicorn
 from fastapi.testclient import TestClient
@@ -20,6 +21,7 @@ from runtime_fixtures import free_port
 from dfca import topics
 from dfca.config import ExperimentConfig
 from dfca.evaluation import cluster_ari
+from dfca.runtime.event_consumer import QueueConsumer
 from dfca.runtime.messages import ExperimentEvent, RoundReport, WorkerEvent, encode
 from dfca.runtime.metrics_store import MetricsStore
 from dfca.transport import InMemoryBroker, InMemoryTransport
@@ -188,3 +190,80 @@ def test_event_streams_are_limited_per_client(tmp_path: Path) -> None:
         server.should_exit = True
         thread.join(5)
     assert again is None or again.status_code == 200
+
+
+def commits_of(store: MetricsStore) -> list[int]:
+    """A list that grows by one at every commit of the store's database."""
+    commits: list[int] = []
+    sqlalchemy.event.listen(store.engine, "commit", lambda _conn: commits.append(1))
+    return commits
+
+
+def test_writes_inside_one_batch_commit_once_and_all_or_nothing(tmp_path: Path) -> None:
+    store = MetricsStore(f"sqlite:///{tmp_path / 'metrics.db'}")
+    commits = commits_of(store)
+    running = WorkerEvent(deployment="d", experiment="m1", worker=0, incarnation="a", state="running", round=1)
+    with store.writes():
+        store.record_experiment(ExperimentEvent(deployment="d", experiment="m1", status="running", config=CFG))
+        for worker in (0, 1):
+            store.record_round(report(worker, 1))
+        store.record_round(report(0, 1))  # redelivered inside the same batch: still stored once
+        store.record_worker(running)
+        store.record_worker(running)  # a heartbeat repeating the state
+        store.record_dead_letters([("m1", "dfca.models", "m1.3.0")])
+    assert len(commits) == 1
+    assert [(r.worker, r.round) for r in store.reports("m1")] == [(0, 1), (1, 1)]
+    assert [e["state"] for e in store.worker_events("m1")] == ["running"] and store.dead_letters("m1") == 1
+    finished = running.model_copy(update={"state": "finished", "round": 2})
+    with pytest.raises(RuntimeError), store.writes():
+        store.record_round(report(0, 2))
+        store.record_worker(finished)
+        raise RuntimeError("the batch fails")
+    assert [r.round for r in store.reports("m1")] == [1, 1]  # nothing of the failed batch
+    store.record_worker(finished)  # not taken for stored: the failed batch's state change is written now
+    assert [e["state"] for e in store.worker_events("m1")] == ["running", "finished"]
+
+
+def test_the_collector_stores_events_that_arrive_together_in_one_commit_and_refuses_only_the_bad_one(
+        tmp_path: Path) -> None:
+    store = MetricsStore(f"sqlite:///{tmp_path / 'metrics.db'}")
+    collector = MetricsCollector(InMemoryTransport(), store, "d")
+    commits = commits_of(store)
+    refusals = collector.on_events([
+        ExperimentEvent(deployment="d", experiment="m1", status="running", config=CFG),
+        report(0, 1), report(0, 999, evaluate=False), report(1, 1),  # the run has 2 rounds
+    ])
+    assert [type(r).__name__ if r else None for r in refusals] == [None, None, "EventRefused", None]
+    assert len(commits) == 1 and [r.round for r in store.reports("m1")] == [1, 1]
+
+
+def test_a_batch_its_handler_cannot_take_is_handled_again_one_by_one() -> None:
+    """QueueConsumer with handle_many: what is there at once goes to it together; if it fails, each document goes
+    to the one-by-one handler, which sets aside only the one it cannot take."""
+    transport = InMemoryTransport()
+    transport.declare_exchange(topics.METRICS_EXCHANGE)
+    transport.declare_queue("q")
+    transport.bind("q", topics.METRICS_EXCHANGE, "#")
+    batches: list[list[int]] = []
+    handled: list[int] = []
+
+    def handle_many(documents: list[int]) -> list[Exception | None]:
+        batches.append(documents)
+        if 3 in documents:
+            raise RuntimeError("the store is down for this batch")
+        return [None] * len(documents)
+
+    def handle(document: int) -> None:
+        if document == 3:
+            raise RuntimeError("this one cannot be stored")
+        handled.append(document)
+
+    consumer = QueueConsumer(transport, "q", json.loads, handle, lambda _d: "metrics", handle_many=handle_many,
+                             batch=2)
+    for document in (1, 2, 3, 4, 5):
+        transport.publish(topics.METRICS_EXCHANGE, "k", json.dumps(document).encode())
+    assert consumer.poll(0.0) == 5
+    assert batches == [[1, 2], [3, 4]]  # at most `batch` together (one left over: on its own)
+    assert handled == [4, 5]  # the failed batch again one by one: 3 set aside, 4 stored; then 5
+    assert consumer.handled == 4 and consumer.rejected == 1
+    assert transport.receive("q", 0.0) is None  # each settled: acked or dead-lettered

@@ -23,10 +23,11 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dfca import topics
+from dfca.config import ExperimentConfig
 from dfca.runtime.dashboard import add_dashboard
 from dfca.runtime.event_consumer import QueueConsumer
 from dfca.runtime.experiment_results import NoResults, model_files, plot_files
-from dfca.runtime.experiments import check_round
+from dfca.runtime.experiments import EventRefused, check_round
 from dfca.runtime.http_service import RequestGuard, add_health_routes, add_validation_errors, serve
 from dfca.runtime.messages import (
     TERMINAL_STATUSES,
@@ -49,6 +50,7 @@ from dfca.transport.broker_setup import bind_to_deployment, ensure_broker_topolo
 
 log = logging.getLogger(__name__)
 DEAD_LETTER_BATCH = 500
+EVENT_BATCH = 100  # events stored in one transaction, of those there at once (3 workers' round reports: 1-3)
 MAX_STREAMS_PER_CLIENT = 8  # open /events streams per client address; 429 beyond
 MAX_STREAMS = 64
 
@@ -63,7 +65,9 @@ class MetricsCollector:
         self.transport, self.store, self.deployment = transport, store, deployment
         self.events = events_queue(deployment, "metrics")
         self.dead_letters = dead_letter_tap_queue(deployment)
-        self.consumer = QueueConsumer(transport, self.events, decode_event, self.on_event, event_principal)
+        self.consumer = QueueConsumer(transport, self.events, decode_event, self.on_event, event_principal,
+                                      handle_many=self.on_events, batch=EVENT_BATCH)
+        self._configs: dict[str, ExperimentConfig] = {}  # of the experiments seen: round reports are checked on them
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="metrics-consumer", daemon=True)
 
@@ -84,14 +88,35 @@ class MetricsCollector:
             return
         if isinstance(event, ExperimentEvent):
             self.store.record_experiment(event)
+            self._configs[event.experiment] = event.config
         elif isinstance(event, FinalModelsShare):
             self.store.record_final_models(event)
         elif isinstance(event, RoundReport):
-            if (stored := self.store.experiment(event.experiment)) is not None:
-                check_round(event.experiment, stored.config, event)  # refused: dead-lettered, never stored
+            if (config := self._config(event.experiment)) is not None:
+                check_round(event.experiment, config, event)  # refused: dead-lettered, never stored
             self.store.record_round(event)
         else:
             self.store.record_worker(event)
+
+    def on_events(self, events: list[Any]) -> list[Exception | None]:
+        """Events that arrived together, stored in one transaction; each one's refusal (EventRefused: a round
+        beyond the run's) or None. A store error raises: the consumer handles them again one by one."""
+        refusals: list[Exception | None] = []
+        with self.store.writes():
+            for event in events:
+                try:
+                    self.on_event(event)
+                except EventRefused as err:  # checked before anything of it was written
+                    refusals.append(err)
+                else:
+                    refusals.append(None)
+        return refusals
+
+    def _config(self, experiment: str) -> ExperimentConfig | None:
+        """The experiment's config, as the store has it (parsed once per experiment)."""
+        if (config := self._configs.get(experiment)) is None and (stored := self.store.experiment(experiment)):
+            config = self._configs[experiment] = stored.config
+        return config
 
     def _drain_dead_letters(self) -> None:
         """Count up to DEAD_LETTER_BATCH dead letters in one write, then read events again: a flood of rejected

@@ -2,7 +2,9 @@
 
 SQLAlchemy over SQLite by default (`sqlite:///dfca-metrics.db`), PostgreSQL by URL
 (`postgresql+psycopg://...`). Reports are stored as they arrive; a round re-run by a restarted
-worker is stored again under its new incarnation, and the views use the latest one.
+worker is stored again under its new incarnation, and the views use the latest one. Events that arrive together
+can be stored in one transaction (`MetricsStore.writes`): one commit, which on SQLite is most of what storing
+an event costs.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,11 +133,35 @@ class MetricsStore:
         self.engine = create_engine(url, **options)
         Base.metadata.create_all(self.engine)
         self._write = threading.Lock()
-        self._last_state: dict[tuple[str, int, str], str] = {}
+        self._last_state: dict[tuple[str, int, str], str] = {}  # of committed worker events
+        self._batch: Session | None = None  # the open `writes` transaction, of the thread that holds _write
+        self._batch_thread: int | None = None
+        self._batch_states: dict[tuple[str, int, str], str] = {}
 
     # -- writes ---------------------------------------------------------------------------------------
-    def record_experiment(self, event: ExperimentEvent) -> None:
+    @contextmanager
+    def writes(self) -> Iterator[None]:
+        """The record_* calls of this thread inside go into one transaction, committed at the end: all of them
+        stored, or (an exception) none."""
         with self._write, Session(self.engine) as session, session.begin():
+            self._batch, self._batch_thread, self._batch_states = session, threading.get_ident(), {}
+            try:
+                yield
+            finally:
+                self._batch, self._batch_thread = None, None
+        self._last_state.update(self._batch_states)  # committed
+
+    @contextmanager
+    def _writing(self) -> Iterator[Session]:
+        """The session a write goes into: the open `writes` transaction of this thread, else one of its own."""
+        if self._batch is not None and self._batch_thread == threading.get_ident():
+            yield self._batch
+            return
+        with self._write, Session(self.engine) as session, session.begin():
+            yield session
+
+    def record_experiment(self, event: ExperimentEvent) -> None:
+        with self._writing() as session:
             row = session.get(ExperimentRow, event.experiment)
             if row is None:
                 row = ExperimentRow(id=event.experiment, deployment=event.deployment, created_at=event.at)
@@ -146,8 +174,8 @@ class MetricsStore:
                 row.finished_at = event.at
 
     def record_round(self, report: RoundReport) -> None:
-        with self._write, Session(self.engine) as session, session.begin():
-            exists = session.scalar(select(RoundReportRow.id).where(
+        with self._writing() as session:
+            exists = session.scalar(select(RoundReportRow.id).where(  # (autoflushed: sees this batch's reports)
                 RoundReportRow.experiment == report.experiment, RoundReportRow.worker == report.worker,
                 RoundReportRow.incarnation == report.incarnation, RoundReportRow.round == report.round))
             if exists is not None:  # a redelivered report
@@ -164,18 +192,23 @@ class MetricsStore:
     def record_worker(self, event: WorkerEvent) -> None:
         """Store state changes only (heartbeats repeat the state)."""
         key = (event.experiment, event.worker, event.incarnation)
-        if self._last_state.get(key) == event.state:
+        batched = self._batch is not None and self._batch_thread == threading.get_ident()
+        if (self._batch_states.get(key) if batched and key in self._batch_states
+                else self._last_state.get(key)) == event.state:
             return
-        self._last_state[key] = event.state
-        with self._write, Session(self.engine) as session, session.begin():
+        with self._writing() as session:
             session.add(WorkerEventRow(
                 experiment=event.experiment, worker=event.worker, incarnation=event.incarnation, state=event.state,
                 round=event.round, resumed_from=event.resumed_from, detail=event.detail, at=event.at,
             ))
+        if batched:
+            self._batch_states[key] = event.state  # the last state once the batch commits
+        else:
+            self._last_state[key] = event.state
 
     def record_final_models(self, share: FinalModelsShare) -> None:
         """Keep a worker's share of the final models (a restarted worker's replaces its earlier one)."""
-        with self._write, Session(self.engine) as session:
+        with self._writing() as session:
             row = session.scalars(select(FinalModelsRow).where(FinalModelsRow.experiment == share.experiment,
                                                                FinalModelsRow.worker == share.worker)).first()
             if row is None:
@@ -183,7 +216,6 @@ class MetricsStore:
                 session.add(row)
             row.incarnation, row.safetensors, row.sha256, row.at = (share.incarnation, share.safetensors,
                                                                     share.sha256, share.at)
-            session.commit()
 
     def final_model_shares(self, experiment: str) -> list[tuple[int, str, str]]:
         """(worker, base64 safetensors, sha256) of every worker's share, by worker."""
@@ -198,7 +230,7 @@ class MetricsStore:
     def record_dead_letters(self, letters: list[tuple[str, str, str]]) -> None:
         """(experiment, exchange, routing key) of dead letters, in one transaction."""
         now = time.time()
-        with self._write, Session(self.engine) as session, session.begin():
+        with self._writing() as session:
             session.add_all([DeadLetterRow(experiment=experiment[:255], exchange=exchange[:255],
                                            routing_key=routing_key[:255], at=now)
                              for experiment, exchange, routing_key in letters])
