@@ -37,7 +37,11 @@ def report(worker: int, round_: int, incarnation: str = "a", evaluate: bool = Tr
                   "train_loss": [1.0, 0.5], "true_cluster": [0, 1]} if evaluate else None
     return RoundReport(deployment="d", experiment="m1", worker=worker, incarnation=incarnation, round=round_,
                        clients=clients, complete=True, seconds=1.0 + worker, evaluation=evaluation,
-                       stats={"published": 2 * round_, "applied": 3 * round_, "timeouts": 0, **stats},
+                       stats={"published": 2 * round_, "applied": 3 * round_, "timeouts": 0,
+                              "seconds": {"train": 0.5 * round_ if incarnation == "a" else 0.25, "publish": 0.1},
+                              "cpu_seconds": {"train": 0.4 * round_ if incarnation == "a" else 0.2,
+                                              "loop": 0.9 * round_},
+                              **stats},
                        bytes_published=200, at=1000.0 + round_)
 
 
@@ -119,6 +123,12 @@ def test_history_sse_and_prometheus(store: MetricsStore) -> None:
     assert samples[("dfca_messages_applied_total", m1)] == 15.0
     assert samples[("dfca_cluster_accuracy", (("cluster", "1"), ("experiment", "m1")))] == pytest.approx(0.9)
     assert samples[("dfca_experiment_status", (("experiment", "m1"), ("status", "completed")))] == 1.0
+    # where each worker's round loop went, summed over its incarnations (worker 1: "a" ran round 1, "b" round 2)
+    phase = (("experiment", "m1"), ("phase", "train"), ("worker", "1"))
+    assert samples[("dfca_worker_phase_seconds_total", phase)] == pytest.approx(0.5 + 0.25)
+    assert samples[("dfca_worker_phase_cpu_seconds_total", phase)] == pytest.approx(0.4 + 0.2)
+    assert samples[("dfca_worker_phase_cpu_seconds_total", (("experiment", "m1"), ("phase", "loop"),
+                                                             ("worker", "0")))] == pytest.approx(2 * 0.9)
 
 
 def test_forged_reports_are_dead_lettered_and_the_service_keeps_answering(tmp_path: Path) -> None:

@@ -5,7 +5,9 @@ not_neighbour}_total, dfca_messages_rejected_total{reason}, dfca_messages_dead_l
 dfca_gossip_screened_total, dfca_client_bytes_sent_total (what the clients sent, each message counted once per
 receiver with its headers and routing key: the simulator's `bytes_sent_per_client_per_round` x rounds x clients),
 dfca_round_timeouts_total, dfca_message_lag_seconds, dfca_test_accuracy, dfca_cluster_ari,
-dfca_cluster_accuracy{cluster}, dfca_experiment_status{status}; every one labelled by experiment.
+dfca_cluster_accuracy{cluster}, dfca_experiment_status{status}, dfca_worker_phase_seconds_total{worker,phase} and
+dfca_worker_phase_cpu_seconds_total{worker,phase} (where each worker's round loop spends its time and its CPU:
+DriverStats' phases, and `loop` for the loop's thread in all); every one labelled by experiment.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from dfca.runtime.metrics_store import MetricsStore
-from dfca.runtime.run_summary import history, latest_by_round, message_totals
+from dfca.runtime.run_summary import history, latest_by_round, message_totals, worker_phase_totals
 
 log = logging.getLogger(__name__)
 MAX_EXPERIMENTS = 50  # the most recent ones are exported
@@ -60,6 +62,12 @@ class RuntimeCollector(Collector):
                                                   "clients, last evaluated round", labels=[*label, "cluster"]),
             "status": GaugeMetricFamily("dfca_experiment_status", "1 for the experiment's status",
                                         labels=[*label, "status"]),
+            "phase_seconds": CounterMetricFamily("dfca_worker_phase_seconds", "Seconds each worker's round loop spent "
+                                                 "in each phase (train, publish, receive, wait, mix, checkpoint)",
+                                                 labels=[*label, "worker", "phase"]),
+            "phase_cpu": CounterMetricFamily("dfca_worker_phase_cpu_seconds", "CPU seconds of each worker's round "
+                                             "loop in each phase, and in all (loop)",
+                                             labels=[*label, "worker", "phase"]),
         }
         dead = self.store.dead_letter_counts()
         for experiment_id in self.store.experiment_ids()[-MAX_EXPERIMENTS:]:
@@ -82,6 +90,10 @@ class RuntimeCollector(Collector):
             families[key].add_metric([experiment_id], float(totals[key]))
         for reason, count in totals["rejected"].items():
             families["rejected"].add_metric([experiment_id, reason], float(count))
+        for key, family in (("seconds", "phase_seconds"), ("cpu_seconds", "phase_cpu")):
+            for worker, phases in sorted(worker_phase_totals(reports, key).items()):
+                for phase, seconds in phases.items():
+                    families[family].add_metric([experiment_id, str(worker), phase], seconds)
         by_round = latest_by_round(reports)
         families["bytes_sent"].add_metric([experiment_id], float(sum(r.bytes_published for chosen in by_round.values()
                                                                      for r in chosen.values())))

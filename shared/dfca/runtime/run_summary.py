@@ -157,6 +157,19 @@ def final_evaluation(reports: list[StoredReport], exclude: set[int]) -> dict[str
     return dict(out)
 
 
+def worker_phase_totals(reports: Iterable[StoredReport], key: str) -> dict[int, dict[str, float]]:
+    """Per worker, each phase's cumulative stats[key] ("seconds" or "cpu_seconds": DriverStats) summed over its
+    incarnations (each reports its own running totals)."""
+    last: dict[tuple[int, str], dict[str, Any]] = {}
+    for report in reports:
+        last[(report.worker, report.incarnation)] = report.stats
+    totals: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for (worker, _), stats in last.items():
+        for phase, value in (stats.get(key) or {}).items():
+            totals[worker][str(phase)] += float(value)
+    return {w: dict(phases) for w, phases in totals.items()}
+
+
 def message_totals(reports: Iterable[StoredReport], dead_lettered: int) -> dict[str, Any]:
     """Cumulative counters summed over every worker incarnation (each reports its own running totals)."""
     last: dict[tuple[int, str], dict[str, Any]] = {}
