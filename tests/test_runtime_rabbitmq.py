@@ -26,6 +26,7 @@ import httpx
 import pika
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from runtime_fixtures import (
     TOKEN,
     Api,
@@ -170,6 +171,10 @@ def test_end_to_end_over_rest_with_bad_input(rabbitmq_url: str, tmp_path: Path) 
         prometheus = api.metrics.get("/metrics").text
         assert f'dfca_messages_rejected_total{{experiment="{experiment}",reason="spoofed"}}' in prometheus
         assert f'dfca_experiment_round{{experiment="{experiment}"}} {float(total_rounds(cfg))}' in prometheus
+        cpu = {s.labels["worker"]: s.value for family in text_string_to_metric_families(prometheus)
+               for s in family.samples if s.name == "dfca_worker_phase_cpu_seconds_total"
+               and s.labels["experiment"] == experiment and s.labels["phase"] == "train"}
+        assert sorted(cpu) == ["0", "1", "2"] and all(v > 0 for v in cpu.values()), cpu  # each worker trained
         with api.metrics.stream("GET", f"/experiments/{experiment}/events") as events:
             body = "".join(events.iter_text())
         assert "event: status" in body and "event: summary" in body
