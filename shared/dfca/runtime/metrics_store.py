@@ -193,8 +193,8 @@ class MetricsStore:
         """Store state changes only (heartbeats repeat the state)."""
         key = (event.experiment, event.worker, event.incarnation)
         batched = self._batch is not None and self._batch_thread == threading.get_ident()
-        if (self._batch_states.get(key) if batched and key in self._batch_states
-                else self._last_state.get(key)) == event.state:
+        pending = self._batch_states if batched else {}
+        if pending.get(key, self._last_state.get(key)) == event.state:
             return
         with self._writing() as session:
             session.add(WorkerEventRow(

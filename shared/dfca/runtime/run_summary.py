@@ -157,14 +157,16 @@ def final_evaluation(reports: list[StoredReport], exclude: set[int]) -> dict[str
     return dict(out)
 
 
+def last_stats(reports: Iterable[StoredReport]) -> dict[tuple[int, str], dict[str, Any]]:
+    """Each (worker, incarnation)'s latest stats: its running totals (DriverStats.as_dict)."""
+    return {(report.worker, report.incarnation): report.stats for report in reports}
+
+
 def worker_phase_totals(reports: Iterable[StoredReport], key: str) -> dict[int, dict[str, float]]:
     """Per worker, each phase's cumulative stats[key] ("seconds" or "cpu_seconds": DriverStats) summed over its
-    incarnations (each reports its own running totals)."""
-    last: dict[tuple[int, str], dict[str, Any]] = {}
-    for report in reports:
-        last[(report.worker, report.incarnation)] = report.stats
+    incarnations."""
     totals: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for (worker, _), stats in last.items():
+    for (worker, _), stats in last_stats(reports).items():
         for phase, value in (stats.get(key) or {}).items():
             totals[worker][str(phase)] += float(value)
     return {w: dict(phases) for w, phases in totals.items()}
@@ -172,9 +174,7 @@ def worker_phase_totals(reports: Iterable[StoredReport], key: str) -> dict[int, 
 
 def message_totals(reports: Iterable[StoredReport], dead_lettered: int) -> dict[str, Any]:
     """Cumulative counters summed over every worker incarnation (each reports its own running totals)."""
-    last: dict[tuple[int, str], dict[str, Any]] = {}
-    for report in reports:
-        last[(report.worker, report.incarnation)] = report.stats
+    last = last_stats(reports)
     totals: dict[str, Any] = {key: sum(int(s.get(key, 0)) for s in last.values()) for key in COUNTED_STATS}
     rejected: Counter[str] = Counter()
     for stats in last.values():
