@@ -92,7 +92,7 @@ class MetricsCollector:
         elif isinstance(event, FinalModelsShare):
             self.store.record_final_models(event)
         elif isinstance(event, RoundReport):
-            if (config := self._config(event.experiment)) is not None:
+            if (config := self.config_of(event.experiment)) is not None:
                 check_round(event.experiment, config, event)  # refused: dead-lettered, never stored
             self.store.record_round(event)
         else:
@@ -112,7 +112,7 @@ class MetricsCollector:
                     refusals.append(None)
         return refusals
 
-    def _config(self, experiment: str) -> ExperimentConfig | None:
+    def config_of(self, experiment: str) -> ExperimentConfig | None:
         """The experiment's config, as the store has it (parsed once per experiment)."""
         if (config := self._configs.get(experiment)) is None and (stored := self.store.experiment(experiment)):
             config = self._configs[experiment] = stored.config
