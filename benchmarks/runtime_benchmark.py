@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pika
@@ -108,12 +108,17 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def drivers_floor(cfg: dict[str, Any], workers: int = 3) -> tuple[float, dict[str, float], float, dict[str, float]]:
+class DriversFloor(NamedTuple):
+    cpu: float  # CPU seconds per round, round 0 left out
+    phases: dict[str, float]  # DriverStats.seconds per round, summed over the drivers
+    accuracy: float  # the clients' mean test accuracy at the end
+    phases_cpu: dict[str, float]  # DriverStats.cpu_seconds per round, summed over the drivers
+
+
+def drivers_floor(cfg: dict[str, Any], workers: int = 3) -> DriversFloor:
     """What the runtime's message drivers cost on their own: `workers` drivers (client c on driver c % workers, as the
     workers split them) in one process and one thread, in lockstep over the in-memory transport, so no broker, AMQP
-    client, checkpoint, service or waiting. (CPU seconds per round, round 0 left out; their DriverStats phases'
-    seconds per round, summed over the drivers; the clients' mean test accuracy at the end, which is the simulator's:
-    the same run; their phases' CPU seconds per round, DriverStats.cpu_seconds, summed.) What a runtime round costs
+    client, checkpoint, service or waiting. The accuracy is the simulator's: the same run. What a runtime round costs
     beyond this is the transport's and the processes' around the drivers."""
     config = ExperimentConfig.model_validate(cfg)
     data = build_federated_data(config)
@@ -124,17 +129,22 @@ def drivers_floor(cfg: dict[str, Any], workers: int = 3) -> tuple[float, dict[st
                for group in sharding.assignment(config.data.clients, workers).values()]
     run = LockstepRun(drivers, None)
     rounds = RoundSchedule(config).total_rounds
+
+    def summed() -> tuple[dict[str, float], dict[str, float]]:  # each phase's seconds and CPU seconds so far
+        return ({p: sum(d.stats.seconds[p] for d in drivers) for p in PHASES},
+                {p: sum(d.stats.cpu_seconds[p] for d in drivers) for p in PHASES})
+
     with one_thread():
         lockstep_round(run, 0)
-        before = {p: sum(d.stats.seconds[p] for d in drivers) for p in PHASES}
-        before_cpu = {p: sum(d.stats.cpu_seconds[p] for d in drivers) for p in PHASES}
+        before, before_cpu = summed()
         began = time.process_time()
         for t in range(1, rounds):
             lockstep_round(run, t)
         cpu = (time.process_time() - began) / (rounds - 1)
+    after, after_cpu = summed()
     accuracy = torch.cat([d.algorithm.evaluate().test_accuracy for d in drivers]).mean().item()
-    return (cpu, {p: (sum(d.stats.seconds[p] for d in drivers) - before[p]) / (rounds - 1) for p in PHASES}, accuracy,
-            {p: (sum(d.stats.cpu_seconds[p] for d in drivers) - before_cpu[p]) / (rounds - 1) for p in PHASES})
+    return DriversFloor(cpu, {p: (after[p] - before[p]) / (rounds - 1) for p in PHASES}, accuracy,
+                        {p: (after_cpu[p] - before_cpu[p]) / (rounds - 1) for p in PHASES})
 
 
 def round_kind(schedule: RoundSchedule, t: int) -> str:
@@ -221,21 +231,25 @@ def runtime_round_seconds(cfg: dict[str, Any], broker: str, state_dir: Path,
                           during: Callable[[str], Callable[[], None]] | None = None) -> tuple[float, float]:
     """(steady-state seconds per round, final accuracy) of one runtime run; `broker_users`: each process its own
     broker user; `during(experiment)` starts something alongside the run and returns how to stop it."""
-    seconds, accuracy, *_ = runtime_profile(cfg, broker, state_dir, broker_users, during)
-    return seconds, accuracy
+    profile = runtime_profile(cfg, broker, state_dir, broker_users, during)
+    return profile.seconds, profile.accuracy
+
+
+class RuntimeProfile(NamedTuple):
+    seconds: float  # steady-state seconds per round
+    accuracy: float  # the run's final test accuracy (the metrics service's summary)
+    phases: dict[str, float]  # each phase's seconds per round (DriverStats.seconds, PHASES), mean over the workers
+    cpu: dict[str, float]  # CPU seconds per round of the workers, the other services together, the broker
+    by_kind: dict[str, float]  # seconds per round of each kind (`round_kind`: seeding, merge, gossip)
+    phases_cpu: dict[str, float]  # each phase's CPU seconds per round in the workers' round loops, summed over the
+    #                               workers (DriverStats.cpu_seconds; `loop`: the round loops' threads in all)
+    services: dict[str, float]  # CPU seconds per round of each other service (topology, metrics)
 
 
 def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
-                    during: Callable[[str], Callable[[], None]] | None = None
-                    ) -> tuple[float, float, dict[str, float], dict[str, float], dict[str, float], dict[str, float],
-                               dict[str, float]]:
-    """`runtime_round_seconds`, where a round's time goes (each phase's seconds per round: the message driver's
-    DriverStats.seconds, PHASES, mean over the workers), the CPU seconds per round of each group of processes
-    (`runtime_run`'s `cpu`) over the same rounds as the seconds per round, the seconds per round of each kind
-    (`round_kind`: seeding, merge, gossip), and each phase's CPU seconds per round in the workers' round loops
-    (DriverStats.cpu_seconds, summed over the workers; `loop`: the round loops' threads in all), and the CPU seconds
-    per round of each other service (topology, metrics). Every figure over the same steady-state rounds: from the
-    first round's end to the last's."""
+                    during: Callable[[str], Callable[[], None]] | None = None) -> RuntimeProfile:
+    """One runtime run (`runtime_run`), every figure over the same steady-state rounds: from the first round's end
+    to the last's."""
     cpu: list[CpuTrace] = []
     summary, reports = runtime_run(cfg, broker, state_dir, broker_users, during, cpu)
     done_at: dict[int, float] = {}
@@ -262,8 +276,8 @@ def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_us
     by_phase = seconds_by_kind(RoundSchedule(ExperimentConfig.model_validate(cfg)),  # a report's round r: the
                                [(r - 1, done_at[r] - done_at[before])  # schedule's round r - 1
                                 for before, r in zip(rounds, rounds[1:], strict=False)])
-    return ((done_at[rounds[-1]] - done_at[rounds[0]]) / (len(rounds) - 1), summary["test_accuracy"], phases,
-            cpu_per_round, by_phase, phases_cpu, services)
+    return RuntimeProfile((done_at[rounds[-1]] - done_at[rounds[0]]) / (len(rounds) - 1), summary["test_accuracy"],
+                          phases, cpu_per_round, by_phase, phases_cpu, services)
 
 
 def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
@@ -587,8 +601,10 @@ def main() -> None:
         with (tempfile.TemporaryDirectory() as tmp,
               left_over_queues(args.broker, args.left_over_queues, args.left_over_binding)):
             record["idle_service_queues"] = idle_service_queues()
-            run_s, run_acc, phases, cpu, by_phase, phases_cpu, services = runtime_profile(cfg, args.broker, Path(tmp))
-        floor_cpu, floor_phases, floor_acc, floor_phases_cpu = drivers_floor(cfg)
+            profile = runtime_profile(cfg, args.broker, Path(tmp))
+        run_s, run_acc, phases, cpu, by_phase = (profile.seconds, profile.accuracy, profile.phases, profile.cpu,
+                                                 profile.by_kind)
+        alone = drivers_floor(cfg)
         with one_thread():
             sim1_s, _, sim1_cpu, _ = simulator_round_seconds(cfg, repeats=1)
         rows.append((f"seconds per round ({clients} clients, 3 workers, traffic {args.traffic})", f"{run_s:.3f}",
@@ -599,10 +615,10 @@ def main() -> None:
                          f"{by_phase[phase] / sim_by_phase[phase]:.2f}x", ""))
         record.update(clients=clients, runtime_round_seconds=run_s, simulator_round_seconds=sim_s,
                       ratio=run_s / sim_s, runtime_accuracy=run_acc, simulator_accuracy=sim_acc, phases=phases,
-                      phases_cpu=phases_cpu, cpu_seconds_per_round={"simulator": sim_cpu, **cpu},
-                      services_cpu_seconds_per_round=services,
-                      drivers_floor={"cpu_seconds_per_round": floor_cpu, "phases": floor_phases, "accuracy": floor_acc,
-                                     "phases_cpu": floor_phases_cpu,
+                      phases_cpu=profile.phases_cpu, cpu_seconds_per_round={"simulator": sim_cpu, **cpu},
+                      services_cpu_seconds_per_round=profile.services,
+                      drivers_floor={"cpu_seconds_per_round": alone.cpu, "phases": alone.phases,
+                                     "accuracy": alone.accuracy, "phases_cpu": alone.phases_cpu,
                                      "simulator_one_thread": {"round_seconds": sim1_s,
                                                               "cpu_seconds_per_round": sim1_cpu}},
                       seconds_by_schedule_phase={"runtime": by_phase, "simulator": sim_by_phase})
@@ -646,7 +662,8 @@ def main() -> None:
               + f"), the RabbitMQ node(s) on this machine {cpu['broker']:.3f}, together "
               f"{sum(cpu.values()):.3f} = {sum(cpu.values()) / sim_cpu:.2f}x the simulator's, on "
               f"{os.cpu_count()} cores")
-    if (floor := record.get("drivers_floor")) is not None and (loops := record.get("phases_cpu")) is not None:
+    floor, loops = record.get("drivers_floor"), record.get("phases_cpu")
+    if floor is not None and loops is not None:
         print("\nwhere the CPU goes (CPU-s per round, summed over the 3 workers; the drivers alone: the same 3 drivers "
               "in one thread, below):\n")
         print("| phase | runtime's round loops | drivers alone | ratio |\n|---|---|---|---|")

@@ -134,28 +134,27 @@ class MetricsStore:
         Base.metadata.create_all(self.engine)
         self._write = threading.Lock()
         self._last_state: dict[tuple[str, int, str], str] = {}  # of committed worker events
-        self._batch: Session | None = None  # the open `writes` transaction, of the thread that holds _write
-        self._batch_thread: int | None = None
-        self._batch_states: dict[tuple[str, int, str], str] = {}
+        self._batch = threading.local()  # .session, .states: the calling thread's open `writes` transaction
 
     # -- writes ---------------------------------------------------------------------------------------
     @contextmanager
     def writes(self) -> Iterator[None]:
         """The record_* calls of this thread inside go into one transaction, committed at the end: all of them
         stored, or (an exception) none."""
+        states: dict[tuple[str, int, str], str] = {}
         with self._write, Session(self.engine) as session, session.begin():
-            self._batch, self._batch_thread, self._batch_states = session, threading.get_ident(), {}
+            self._batch.session, self._batch.states = session, states
             try:
                 yield
             finally:
-                self._batch, self._batch_thread = None, None
-        self._last_state.update(self._batch_states)  # committed
+                self._batch.session = None
+        self._last_state.update(states)  # committed
 
     @contextmanager
     def _writing(self) -> Iterator[Session]:
         """The session a write goes into: the open `writes` transaction of this thread, else one of its own."""
-        if self._batch is not None and self._batch_thread == threading.get_ident():
-            yield self._batch
+        if (batch := getattr(self._batch, "session", None)) is not None:
+            yield batch
             return
         with self._write, Session(self.engine) as session, session.begin():
             yield session
@@ -192,19 +191,16 @@ class MetricsStore:
     def record_worker(self, event: WorkerEvent) -> None:
         """Store state changes only (heartbeats repeat the state)."""
         key = (event.experiment, event.worker, event.incarnation)
-        batched = self._batch is not None and self._batch_thread == threading.get_ident()
-        pending = self._batch_states if batched else {}
-        if pending.get(key, self._last_state.get(key)) == event.state:
+        batched = getattr(self._batch, "session", None) is not None
+        states = self._batch.states if batched else self._last_state  # a batch's take effect once it commits
+        if states.get(key, self._last_state.get(key)) == event.state:
             return
         with self._writing() as session:
             session.add(WorkerEventRow(
                 experiment=event.experiment, worker=event.worker, incarnation=event.incarnation, state=event.state,
                 round=event.round, resumed_from=event.resumed_from, detail=event.detail, at=event.at,
             ))
-        if batched:
-            self._batch_states[key] = event.state  # the last state once the batch commits
-        else:
-            self._last_state[key] = event.state
+        states[key] = event.state
 
     def record_final_models(self, share: FinalModelsShare) -> None:
         """Keep a worker's share of the final models (a restarted worker's replaces its earlier one)."""
