@@ -125,7 +125,7 @@ def drivers_floor(cfg: dict[str, Any], workers: int = 3) -> DriversFloor:
     graph = neighbours(build_graph(config.topology, config.data.clients, config.seed))
     broker = InMemoryBroker()
     drivers = [client_driver(config, "floor", group, data.subset(group), graph, InMemoryTransport(broker),
-                             workers=workers)
+                             device=config.device, workers=workers)
                for group in sharding.assignment(config.data.clients, workers).values()]
     run = LockstepRun(drivers, None)
     rounds = RoundSchedule(config).total_rounds
@@ -579,6 +579,8 @@ def main() -> None:
     parser.add_argument("--skip-exchange", action="store_true", help="only the seconds per round")
     parser.add_argument("--traffic", choices=["lean", "full"], default="lean", help="dfca.traffic of the run")
     parser.add_argument("--demo", action="store_true", help="the demo config (shared/dfca/configs/demo.yaml) instead")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="the config's device: where the simulator, the drivers alone and the workers compute")
     parser.add_argument("--left-over-queues", type=int, default=0,
                         help="first declare this many service queues of other deployments (stacks that are gone), "
                              "to measure what they cost the broker (left_over_queues)")
@@ -591,11 +593,14 @@ def main() -> None:
 
     rows: list[tuple[str, str, str, str, str]] = []
     phases: dict[str, float] = {}
-    record: dict[str, Any] = {"commit": commit(), "load_before": os.getloadavg()[0],
+    record: dict[str, Any] = {"commit": commit(), "load_before": os.getloadavg()[0], "cores": os.cpu_count(),
                               "args": vars(args) | {"out": str(args.out)}}
+    if args.device == "cuda":
+        record["gpu"] = torch.cuda.get_device_name()
     if not args.skip_rounds:
         cfg = demo_config(args.rounds) if args.demo else bench_config(args.rounds)
         cfg["dfca"] = {**cfg.get("dfca", {}), "traffic": args.traffic}
+        cfg["device"] = args.device
         clients = ExperimentConfig.model_validate(cfg).data.clients
         sim_s, sim_acc, sim_cpu, sim_by_phase = simulator_round_seconds(cfg)
         with (tempfile.TemporaryDirectory() as tmp,

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from dfca import devices
 from dfca.cli import app
-from dfca.devices import DeviceUnavailable, resolve_device, worker_device
+from dfca.devices import DeviceUnavailable, device_name, resolve_device, worker_device
 from dfca.graph import build_graph, neighbours
 from dfca.run_size import RunTooLarge, available_bytes, check_fits_memory
 from dfca.runtime.client_runner import ClientRunner, RunSpec
@@ -133,6 +133,8 @@ def test_a_worker_trains_its_clients_on_the_device_dfca_device_names(device: str
     assert runner.status.state == "finished" and runner.driver is not None, runner.status.detail
     assert runner.device.type == runner.driver.algorithm.ctx.device.type == device
     assert all(t.device.type == device for t in runner.driver.algorithm.state().values())
+    placed = {e.device for e in events if isinstance(e, WorkerEvent) and e.state != "preparing"}
+    assert placed == {device_name(runner.device)} and placed.pop().startswith(device)  # what it reports
     accuracy = [sum(r.evaluation["test_accuracy"]) / len(r.evaluation["test_accuracy"])
                 for r in events if isinstance(r, RoundReport) and r.evaluation]
     assert accuracy and accuracy[-1] > 0.1  # it trained there (chance is 0.1)

@@ -56,7 +56,7 @@ def store(tmp_path: Path) -> MetricsStore:
     collector.on_event(report(0, 2, rejected={"spoofed": 2}))
     collector.on_event(report(0, 2, rejected={"spoofed": 2}))  # redelivered: stored once
     collector.on_event(WorkerEvent(deployment="d", experiment="m1", worker=1, incarnation="b", state="resumed",
-                                   round=1, resumed_from=1))
+                                   round=1, resumed_from=1, device="cuda:0 (NVIDIA H100 80GB HBM3)"))
     collector.on_event(report(1, 2, incarnation="b"))
     collector.on_event(ExperimentEvent(deployment="d", experiment="m1", status="completed", config=CFG, at=1010.0))
     store.record_dead_letter("m1", "dfca.models", "m1.3.0")
@@ -80,6 +80,28 @@ def test_the_summary_has_summary_json_fields_and_runtime_counts(store: MetricsSt
     assert messages["applied"] == 6 + 3 + 6 and messages["rejected"] == {"spoofed": 2}
     assert messages["dead_lettered"] == 1
     assert summary["worker_restarts"] == {} and summary["resumed_from"] == {"1": 1}
+    assert summary["devices"] == {"1": "cuda:0 (NVIDIA H100 80GB HBM3)"}  # worker 0 sent no state with one
+
+
+def test_a_store_written_before_worker_devices_opens_and_keeps_its_rows(tmp_path: Path) -> None:
+    """A metrics database from before `worker_events.device` existed: the store adds the column on open, keeps the
+    old rows (device empty) and stores new events with their device."""
+    path = tmp_path / "old.db"
+    engine = sqlalchemy.create_engine(f"sqlite:///{path}")
+    with engine.begin() as connection:  # the table as the previous version created it
+        connection.execute(sqlalchemy.text(
+            "CREATE TABLE worker_events (id INTEGER PRIMARY KEY, experiment VARCHAR(80), worker INTEGER, "
+            "incarnation VARCHAR(16), state VARCHAR(20), round INTEGER, resumed_from INTEGER, detail TEXT, "
+            "at FLOAT)"))
+        connection.execute(sqlalchemy.text(
+            "INSERT INTO worker_events (experiment, worker, incarnation, state, round, detail, at) "
+            "VALUES ('m1', 0, 'a', 'ready', 0, '', 1.0)"))
+    engine.dispose()
+    store = MetricsStore(f"sqlite:///{path}")
+    store.record_worker(WorkerEvent(deployment="d", experiment="m1", worker=0, incarnation="a", state="running",
+                                    round=1, device="cpu"))
+    assert [(e["state"], e["device"]) for e in store.worker_events("m1")] == [("ready", ""), ("running", "cpu")]
+    assert MetricsStore(f"sqlite:///{path}").worker_events("m1")[1]["device"] == "cpu"  # opened again: as it was
 
 
 def test_a_read_token_guards_the_metrics_reads_but_not_probes_prometheus_or_the_page(store: MetricsStore) -> None:

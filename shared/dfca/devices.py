@@ -42,3 +42,11 @@ def worker_device(config_device: str, env_device: str | None) -> torch.device:
     if env_device:
         return resolve_device(env_device, "DFCA_DEVICE")
     return resolve_device(config_device)
+
+
+def device_name(device: torch.device) -> str:
+    """What a worker reports it computes on: `cpu`, or `cuda:0 (NVIDIA H100 80GB HBM3)`."""
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"

@@ -37,7 +37,7 @@ from dfca.algorithms import Algorithm, HostContext, clients_of
 from dfca.attacks import Attack, Forger
 from dfca.config import ExperimentConfig
 from dfca.data import FederatedData, build_federated_data
-from dfca.devices import worker_device
+from dfca.devices import device_name, worker_device
 from dfca.heap import keep_freed_memory
 from dfca.models import build_model
 from dfca.run_size import check_fits_memory
@@ -136,6 +136,7 @@ class ClientRunner:
         self.driver: MessageDriver | None = None
         self._data = data
         self.device = torch.device("cpu")
+        self._placed_on = ""  # device_name(self.device), once the clients' data is there
         self._inbox: queue.Queue[GoCommand | StopCommand | TopologyChange] = queue.Queue()
         self._go = threading.Event()
         self._stop = threading.Event()
@@ -187,6 +188,7 @@ class ClientRunner:
                                   f"worker {spec.ordinal}'s {len(spec.clients)} clients", str(self.device))
                 self._data = build_federated_data(spec.config).subset(spec.clients)
             self._data = self._data.to(self.device)
+            self._placed_on = device_name(self.device)
             self._run_with_recovery()
         except RunInterrupted:
             pass
@@ -377,5 +379,5 @@ class ClientRunner:
         return WorkerEvent(
             deployment=self.spec.deployment, experiment=self.spec.experiment, worker=self.spec.ordinal,
             incarnation=self.incarnation, state=state or self.status.state, round=self.status.rounds_done,
-            clients=self.spec.clients, resumed_from=self.status.resumed_from, detail=detail,
+            clients=self.spec.clients, resumed_from=self.status.resumed_from, detail=detail, device=self._placed_on,
         )

@@ -50,11 +50,12 @@ class WorkerView:
     retired: set[str] = field(default_factory=set)
     resumed_from: int | None = None
     detail: str = ""
+    device: str = ""  # where its clients compute, once it has placed them
 
     def public(self, now: float) -> dict[str, Any]:
         return {"state": self.state, "round": self.round, "seconds_since_seen": round(now - self.last_seen, 3)
                 if self.last_seen else None, "incarnations": self.incarnations, "resumed_from": self.resumed_from,
-                "detail": self.detail}
+                "detail": self.detail, "device": self.device}
 
 
 class EdgeChangeInvalid(ValueError):
@@ -171,6 +172,7 @@ class ExperimentRecord:
             return
         view.state = "ready" if event.state in ("ready", "resumed") else event.state
         view.detail = event.detail
+        view.device = event.device or view.device
         if event.resumed_from is not None:
             view.resumed_from = event.resumed_from
 

@@ -125,6 +125,8 @@ class WorkerEvent(Document):
     resumed_from: int | None = Field(None, ge=0, le=MAX_ROUND,
                                      description="rounds completed in the checkpoint it resumed from")
     detail: str = Field("", max_length=2000)
+    device: str = Field("", max_length=100, description="where its clients compute (`cpu`, `cuda:0 (GPU name)`); "
+                        "empty until it has placed them")
     at: float = Field(default_factory=time.time)
 
 

@@ -17,7 +17,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Boolean, Float, Integer, String, Text, UniqueConstraint, create_engine, func, select
+from sqlalchemy import (
+    Boolean,
+    Float,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    func,
+    inspect,
+    select,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from dfca.config import ExperimentConfig
@@ -71,7 +83,12 @@ class WorkerEventRow(Base):
     round: Mapped[int] = mapped_column(Integer)
     resumed_from: Mapped[int | None] = mapped_column(Integer, nullable=True)
     detail: Mapped[str] = mapped_column(Text, default="")
+    device: Mapped[str] = mapped_column(String(100), default="", server_default="")
     at: Mapped[float] = mapped_column(Float)
+
+
+# Columns added after a store's first release: (table, column, SQL type and default), added to an older file on open.
+ADDED_COLUMNS = (("worker_events", "device", "VARCHAR(100) NOT NULL DEFAULT ''"),)
 
 
 class FinalModelsRow(Base):
@@ -132,9 +149,18 @@ class MetricsStore:
             options["connect_args"] = {"check_same_thread": False}
         self.engine = create_engine(url, **options)
         Base.metadata.create_all(self.engine)
+        self._add_missing_columns()
         self._write = threading.Lock()
         self._last_state: dict[tuple[str, int, str], str] = {}  # of committed worker events
         self._batch = threading.local()  # .session, .states: the calling thread's open `writes` transaction
+
+    def _add_missing_columns(self) -> None:
+        """A store written by an earlier version lacks the columns added since (`create_all` makes only missing
+        tables): add them, so an upgraded metrics service reads its old database."""
+        for table, column, declaration in ADDED_COLUMNS:
+            if column not in {c["name"] for c in inspect(self.engine).get_columns(table)}:
+                with self.engine.begin() as connection:
+                    connection.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}"))
 
     # -- writes ---------------------------------------------------------------------------------------
     @contextmanager
@@ -198,7 +224,8 @@ class MetricsStore:
         with self._writing() as session:
             session.add(WorkerEventRow(
                 experiment=event.experiment, worker=event.worker, incarnation=event.incarnation, state=event.state,
-                round=event.round, resumed_from=event.resumed_from, detail=event.detail, at=event.at,
+                round=event.round, resumed_from=event.resumed_from, detail=event.detail, device=event.device,
+                at=event.at,
             ))
         states[key] = event.state
 
@@ -264,7 +291,8 @@ class MetricsStore:
             rows = session.scalars(select(WorkerEventRow).where(WorkerEventRow.experiment == experiment)
                                    .order_by(WorkerEventRow.id))
             return [{"worker": r.worker, "incarnation": r.incarnation, "state": r.state, "round": r.round,
-                     "resumed_from": r.resumed_from, "detail": r.detail, "at": r.at} for r in rows]
+                     "resumed_from": r.resumed_from, "detail": r.detail, "device": r.device, "at": r.at}
+                    for r in rows]
 
     def dead_letters(self, experiment: str | None = None) -> int:
         with Session(self.engine) as session:

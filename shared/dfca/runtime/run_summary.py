@@ -231,6 +231,7 @@ def summarize(
             "messages": message_totals(reports, dead_lettered),
             "worker_restarts": {str(w): len(i) - 1 for w, i in sorted(incarnations.items()) if len(i) > 1},
             "resumed_from": {str(e["worker"]): e["resumed_from"] for e in worker_events if e["state"] == "resumed"},
+            "devices": {str(e["worker"]): e["device"] for e in worker_events if e["device"]},  # the latest each
         }
     )
     return summary
