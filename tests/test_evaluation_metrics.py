@@ -43,7 +43,12 @@ def test_disagreement_of_nearly_agreeing_models_is_accurate_over_several_blocks_
         assert abs(value - want) < 1e-4 * want and want > 0
 
 
-def test_index_consistency_counts_edges_whose_nearest_match_is_the_identity() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("edge_block_bytes", [None, 1, 1 << 20], ids=["by-device", "edge-blocks-of-1", "one-block"])
+def test_index_consistency_counts_edges_whose_nearest_match_is_the_identity(
+        device: str, edge_block_bytes: int | None) -> None:
+    """Edge by edge from views (the CPU's default) and in blocks of gathered edges (a GPU's default, forced here
+    with `edge_block_bytes`: one edge a block, and every edge in one), against the definition."""
     n, k = 6, 3
     base = params_of(1, k, seed=1)
     params = {name: t.repeat(n, 1, *[1] * (t.dim() - 2)) + 0.01 * torch.randn(n, k, *t.shape[2:])
@@ -51,13 +56,25 @@ def test_index_consistency_counts_edges_whose_nearest_match_is_the_identity() ->
     ring = torch.zeros(n, n, dtype=torch.bool)
     for i in range(n):
         ring[i, (i + 1) % n] = ring[(i + 1) % n, i] = True
-    assert index_consistency(params, ring) == 1.0
+
+    def consistency(params: dict[str, torch.Tensor], adjacency: torch.Tensor) -> float:
+        return index_consistency({name: t.to(device) for name, t in params.items()}, adjacency.to(device),
+                                 edge_block_bytes)
+
+    assert consistency(params, ring) == 1.0
     for t in params.values():  # client 2 swaps its clusters 0 and 1: its two ring edges disagree
         t[2, [0, 1]] = t[2, [1, 0]].clone()
-    assert index_consistency(params, ring) == (n - 2) / n
-    # against the definition: nearest cluster by L2 over all parameters, per edge
+    assert consistency(params, ring) == (n - 2) / n
+    # against the definition: nearest cluster by L2 over all parameters, per edge; on a dense random graph with
+    # every client's clusters shuffled
+    g = torch.Generator().manual_seed(3)
+    for t in params.values():
+        for i in range(n):
+            t[i] = t[i][torch.randperm(k, generator=g)].clone()
+    dense = torch.rand(n, n, generator=g) < 0.7
+    dense = torch.triu(dense, 1) | torch.triu(dense, 1).T
     f = flat(params)
-    src, dst = torch.nonzero(torch.triu(ring, 1), as_tuple=True)
+    src, dst = torch.nonzero(torch.triu(dense, 1), as_tuple=True)
     ok = sum(bool((torch.cdist(f[a], f[b]).argmin(1) == torch.arange(k)).all()) for a, b in zip(src, dst, strict=True))
-    assert index_consistency(params, ring) == ok / src.numel()
-    assert index_consistency(params, torch.zeros(n, n, dtype=torch.bool)) == 1.0  # no edges
+    assert 0 < ok < src.numel() and consistency(params, dense) == ok / src.numel()
+    assert consistency(params, torch.zeros(n, n, dtype=torch.bool)) == 1.0  # no edges
