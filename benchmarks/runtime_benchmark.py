@@ -77,24 +77,33 @@ def bench_config(rounds: int) -> dict[str, Any]:
 
 
 # -- 1. seconds per round -------------------------------------------------------------------------------------
-def simulator_round_seconds(cfg: dict[str, Any], repeats: int = 2
-                            ) -> tuple[float, float, float, dict[str, float]]:
-    """The best of `repeats` runs (a shared machine is noisy; the best run is the baseline's favour): (seconds per
-    round, final accuracy, CPU seconds per round of that run, every thread of this process, and its seconds per
-    round of each kind, `round_kind`)."""
+class SimulatorRound(NamedTuple):
+    seconds: float  # per round, as the simulator runs: its consensus metrics (Disp_j, index consistency) included
+    same_work: float  # per round, without those metrics: the work a runtime round does (evaluation included)
+    accuracy: float  # final test accuracy
+    cpu: float  # CPU seconds per round, every thread of this process, the consensus metrics included
+    by_kind: dict[str, float]  # seconds per round of each kind (`round_kind`), without the consensus metrics
+
+
+def simulator_round_seconds(cfg: dict[str, Any], repeats: int = 2) -> SimulatorRound:
+    """The best of `repeats` runs (a shared machine is noisy; the best run is the baseline's favour). A runtime
+    round evaluates its clients as the simulator's does but computes no consensus metrics (no worker sees every
+    client's models), so `same_work`, the rounds less their `consensus_seconds`, is the baseline to compare with."""
     config = ExperimentConfig.model_validate(cfg)
     data = build_federated_data(config)  # both sides get their data ready before the clock starts
-    best, accuracy, cpu, by_phase = float("inf"), 0.0, 0.0, {}
+    best: SimulatorRound | None = None
     for _ in range(repeats):
         began = time.process_time()
         result = simulate(config, data=data)
-        seconds = statistics.mean(h["seconds"] for h in result.history[1:])
-        if seconds < best:
-            best, cpu = seconds, (time.process_time() - began) / len(result.history)
-            rounds = [(h["round"] - 1, h["seconds"]) for h in result.history[1:]]  # a record's round: t + 1
-            by_phase = seconds_by_kind(RoundSchedule(config), rounds)
-        accuracy = result.summary["test_accuracy"]
-    return best, accuracy, cpu, by_phase
+        cpu = (time.process_time() - began) / len(result.history)
+        same = [h["seconds"] - h.get("consensus_seconds", 0.0) for h in result.history[1:]]
+        rounds = [(h["round"] - 1, s) for h, s in zip(result.history[1:], same, strict=True)]  # a record's: t + 1
+        run = SimulatorRound(statistics.mean(h["seconds"] for h in result.history[1:]), statistics.mean(same),
+                             result.summary["test_accuracy"], cpu, seconds_by_kind(RoundSchedule(config), rounds))
+        if best is None or run.same_work < best.same_work:
+            best = run
+    assert best is not None
+    return best
 
 
 @contextlib.contextmanager
@@ -602,7 +611,8 @@ def main() -> None:
         cfg["dfca"] = {**cfg.get("dfca", {}), "traffic": args.traffic}
         cfg["device"] = args.device
         clients = ExperimentConfig.model_validate(cfg).data.clients
-        sim_s, sim_acc, sim_cpu, sim_by_phase = simulator_round_seconds(cfg)
+        sim = simulator_round_seconds(cfg)
+        sim_s, sim_acc, sim_cpu, sim_by_phase = sim.same_work, sim.accuracy, sim.cpu, sim.by_kind
         with (tempfile.TemporaryDirectory() as tmp,
               left_over_queues(args.broker, args.left_over_queues, args.left_over_binding)):
             record["idle_service_queues"] = idle_service_queues()
@@ -611,15 +621,20 @@ def main() -> None:
                                                  profile.by_kind)
         alone = drivers_floor(cfg)
         with one_thread():
-            sim1_s, _, sim1_cpu, _ = simulator_round_seconds(cfg, repeats=1)
+            sim1 = simulator_round_seconds(cfg, repeats=1)
+        sim1_s, sim1_cpu = sim1.same_work, sim1.cpu - (sim1.seconds - sim1.same_work)  # one thread: CPU ~ wall
         rows.append((f"seconds per round ({clients} clients, 3 workers, traffic {args.traffic})", f"{run_s:.3f}",
-                     f"{sim_s:.3f} (simulator)", f"{run_s / sim_s:.2f}x", "<= 1.25x"))
+                     f"{sim_s:.3f} (simulator, same work)", f"{run_s / sim_s:.2f}x", "<= 1.25x"))
+        rows.append(("  against the simulator's round with its consensus metrics", f"{run_s:.3f}",
+                     f"{sim.seconds:.3f}", f"{run_s / sim.seconds:.2f}x", ""))
         rows.append(("final test accuracy", f"{run_acc:.4f}", f"{sim_acc:.4f} (simulator)", "", ""))
         for phase in sorted(by_phase.keys() & sim_by_phase.keys()):
             rows.append((f"  of which {phase} rounds", f"{by_phase[phase]:.3f}", f"{sim_by_phase[phase]:.3f}",
                          f"{by_phase[phase] / sim_by_phase[phase]:.2f}x", ""))
-        record.update(clients=clients, runtime_round_seconds=run_s, simulator_round_seconds=sim_s,
-                      ratio=run_s / sim_s, runtime_accuracy=run_acc, simulator_accuracy=sim_acc, phases=phases,
+        record.update(clients=clients, runtime_round_seconds=run_s, simulator_round_seconds=sim.seconds,
+                      ratio=run_s / sim.seconds, simulator_round_seconds_same_work=sim_s,
+                      ratio_same_work=run_s / sim_s, runtime_accuracy=run_acc, simulator_accuracy=sim_acc,
+                      phases=phases,
                       phases_cpu=profile.phases_cpu, cpu_seconds_per_round={"simulator": sim_cpu, **cpu},
                       services_cpu_seconds_per_round=profile.services,
                       drivers_floor={"cpu_seconds_per_round": alone.cpu, "phases": alone.phases,
@@ -660,7 +675,8 @@ def main() -> None:
             print(f"| {phase} | {seconds:.3f} | {seconds / total:.0%} |")
         print(f"| all | {total:.3f} | |")
         print("\nCPU seconds per round (user + system; the simulator: every round, the first included; the runtime: "
-              "from the first round's end to the last's, as its seconds per round): the simulator "
+              "from the first round's end to the last's, as its seconds per round): the simulator (its consensus "
+              "metrics included) "
               f"{sim_cpu:.3f}; the runtime's workers {cpu['workers']:.3f}, its other services "
               f"{cpu['services']:.3f} ("
               + ", ".join(f"{name} {v:.3f}" for name, v in record["services_cpu_seconds_per_round"].items())
@@ -687,7 +703,8 @@ def main() -> None:
         one = floor["simulator_one_thread"]
         print(f"\nthe drivers alone (3 message drivers in one process and thread, lockstep, in-memory transport: no "
               f"broker, AMQP client, checkpoint or service): {floor['cpu_seconds_per_round']:.3f} CPU-s per round = "
-              f"{floor['cpu_seconds_per_round'] / one['cpu_seconds_per_round']:.2f}x the simulator's on one thread "
+              f"{floor['cpu_seconds_per_round'] / one['cpu_seconds_per_round']:.2f}x the simulator's on one thread, "
+              "without its consensus metrics "
               f"({one['cpu_seconds_per_round']:.3f} CPU-s; {one['round_seconds']:.3f} s per round); phases: "
               + ", ".join(f"{p} {v:.3f}" for p, v in floor["phases"].items() if v)
               + f"; final test accuracy {floor['accuracy']:.4f} (the simulator's {record['simulator_accuracy']:.4f})")

@@ -6,6 +6,7 @@ import pytest
 import torch
 from test_driver_equivalence import DEVICES
 
+from dfca import evaluation
 from dfca.evaluation import disagreement, index_consistency
 
 
@@ -44,11 +45,14 @@ def test_disagreement_of_nearly_agreeing_models_is_accurate_over_several_blocks_
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("edge_block_bytes", [None, 1, 1 << 20], ids=["by-device", "edge-blocks-of-1", "one-block"])
+@pytest.mark.parametrize("form", ["auto", "edges", "gram", "blocks", "blocks of 1"])
 def test_index_consistency_counts_edges_whose_nearest_match_is_the_identity(
-        device: str, edge_block_bytes: int | None) -> None:
-    """Edge by edge from views (the CPU's default) and in blocks of gathered edges (a GPU's default, forced here
-    with `edge_block_bytes`: one edge a block, and every edge in one), against the definition."""
+        device: str, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each form on each device against the definition: edge by edge from views, from one Gram matrix, in blocks
+    of gathered edges (every edge in one block, and one edge a block)."""
+    if form == "blocks of 1":
+        monkeypatch.setattr(evaluation, "GPU_EDGE_BLOCK_BYTES", 1)
+        form = "blocks"
     n, k = 6, 3
     base = params_of(1, k, seed=1)
     params = {name: t.repeat(n, 1, *[1] * (t.dim() - 2)) + 0.01 * torch.randn(n, k, *t.shape[2:])
@@ -59,7 +63,7 @@ def test_index_consistency_counts_edges_whose_nearest_match_is_the_identity(
 
     def consistency(params: dict[str, torch.Tensor], adjacency: torch.Tensor) -> float:
         return index_consistency({name: t.to(device) for name, t in params.items()}, adjacency.to(device),
-                                 edge_block_bytes)
+                                 form)  # type: ignore[arg-type]
 
     assert consistency(params, ring) == 1.0
     for t in params.values():  # client 2 swaps its clusters 0 and 1: its two ring edges disagree
@@ -73,8 +77,21 @@ def test_index_consistency_counts_edges_whose_nearest_match_is_the_identity(
             t[i] = t[i][torch.randperm(k, generator=g)].clone()
     dense = torch.rand(n, n, generator=g) < 0.7
     dense = torch.triu(dense, 1) | torch.triu(dense, 1).T
+    dense[n - 1, :] = dense[:, n - 1] = False  # a client without edges: the Gram form gathers the others
     f = flat(params)
     src, dst = torch.nonzero(torch.triu(dense, 1), as_tuple=True)
     ok = sum(bool((torch.cdist(f[a], f[b]).argmin(1) == torch.arange(k)).all()) for a, b in zip(src, dst, strict=True))
     assert 0 < ok < src.numel() and consistency(params, dense) == ok / src.numel()
     assert consistency(params, torch.zeros(n, n, dtype=torch.bool)) == 1.0  # no edges
+
+
+def test_auto_takes_the_gram_form_on_small_dense_graphs_and_edges_on_large_sparse_ones() -> None:
+    k, h = 2, 64
+    def per_client(n: int) -> list[torch.Tensor]:
+        return [torch.zeros(n, k, 784 * h), torch.zeros(n, k, h * 10)]
+    g = torch.Generator().manual_seed(0)
+    dense = torch.triu(torch.rand(24, 24, generator=g) < 0.5, 1)  # the runtime benchmark's graph: ~140 edges
+    assert evaluation.gram_is_cheaper(k, per_client(24), *torch.nonzero(dense, as_tuple=True))
+    src = torch.randperm(1000, generator=g)[:200]  # 200 edges sampled among 1,000 clients
+    dst = torch.randperm(1000, generator=g)[:200]
+    assert not evaluation.gram_is_cheaper(k, per_client(1000), src, dst)

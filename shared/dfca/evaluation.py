@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
@@ -67,19 +69,26 @@ def spread(v: Tensor) -> float:
 GPU_EDGE_BLOCK_BYTES = 256 << 20  # on a GPU: the edges' models gathered and compared at once, up to this much per side
 
 
+ConsistencyForm = Literal["auto", "edges", "gram", "blocks"]
+
+
 @torch.no_grad()
-def index_consistency(params: Params, adjacency: Tensor, edge_block_bytes: int | None = None) -> float:
+def index_consistency(params: Params, adjacency: Tensor, form: ConsistencyForm = "auto") -> float:
     """Share of graph edges (i, m) across which cluster indices mean the same thing.
 
     For an edge, cluster j at i is matched to the nearest cluster at m (L2 over parameters);
     the edge is consistent when that matching is the identity for every j. 1.0 means every
     neighbour pair agrees on what each index is; DFCA-LI starts near 1/k!.
 
-    On the CPU edge by edge, from views of the two clients' models (no gathered copies): the simulator passes at
-    most 200 sampled edges (simulator.sampled_edges); 0.10 s for them at 1,000 clients of an MLP h=200 here, where
-    gathering the edges' models and every client's norms took 0.86 s. On a GPU, where that loop is 60 kernel
-    launches and a synchronisation an edge (88% of the demo's operations a round), in blocks of edges whose
-    gathered models take at most `edge_block_bytes` a side (GPU_EDGE_BLOCK_BYTES): a few launches a block.
+    Three forms of one computation (`auto` picks; the others are for tests and benchmarks):
+    - `edges`, on the CPU: edge by edge, from views of the two clients' models (no gathered copies). The
+      simulator passes at most 200 sampled edges (simulator.sampled_edges); 0.10 s for them at 1,000 clients of
+      an MLP h=200 here, where gathering the edges' models and every client's norms took 0.86 s.
+    - `gram`, on the CPU where it costs less (`gram_is_cheaper`: small dense graphs): every pair's inner products
+      from one Gram matrix of the edges' clients' models. The edge by edge form's ~60 small operations an edge
+      were 57% of the runtime benchmark's 24-client simulator round and 43% of the demo's.
+    - `blocks`, on a GPU, where the edge by edge loop is 60 kernel launches and a synchronisation an edge: blocks
+      of edges whose gathered models take at most GPU_EDGE_BLOCK_BYTES a side, a few launches a block.
     """
     k = next(iter(params.values())).shape[1]
     if k == 1:
@@ -89,14 +98,17 @@ def index_consistency(params: Params, adjacency: Tensor, edge_block_bytes: int |
         return 1.0
     n = adjacency.shape[0]
     per_client = [t.view(n, k, -1) for t in params.values()]  # [N, k, D_t] views, no copy
-    if edge_block_bytes is None and adjacency.device.type != "cpu":
-        edge_block_bytes = GPU_EDGE_BLOCK_BYTES
-    if edge_block_bytes is None:
+    if form == "auto":
+        form = "blocks" if adjacency.device.type != "cpu" else (
+            "gram" if gram_is_cheaper(k, per_client, src, dst) else "edges")
+    if form == "gram":
+        return int(gram_nearest_is_identity(per_client, src, dst).sum()) / src.numel()
+    if form == "edges":
         consistent = sum(int(nearest_is_identity(per_client, i, m)) for i, m in zip(src.tolist(), dst.tolist(),
                                                                                       strict=True))
         return consistent / src.numel()
     edge_bytes = sum(v[0].numel() * v.element_size() for v in per_client)  # one client's k models
-    step = max(1, edge_block_bytes // edge_bytes)
+    step = max(1, GPU_EDGE_BLOCK_BYTES // edge_bytes)
     count = torch.zeros((), dtype=torch.int64, device=src.device)
     for lo in range(0, src.numel(), step):
         count += nearest_is_identity(per_client, src[lo : lo + step], dst[lo : lo + step]).sum()
@@ -117,4 +129,31 @@ def nearest_is_identity(per_client: list[Tensor], i: int | Tensor, m: int | Tens
     assert isinstance(dots, Tensor) and isinstance(norms_i, Tensor) and isinstance(norms_m, Tensor)
     dist = norms_i.unsqueeze(-1) + norms_m.unsqueeze(-2) - 2 * dots  # squared L2, [.., k, k]
     k = dist.shape[-1]
+    return (dist.argmin(-1) == torch.arange(k, device=dist.device)).all(-1)
+
+
+EDGE_OVERHEAD_MULTIPLY_ADDS = 20e6  # what an edge's ~60 small operations cost on the CPU, in a matmul's multiply-adds
+
+
+def gram_is_cheaper(k: int, per_client: list[Tensor], src: Tensor, dst: Tensor) -> bool:
+    """Whether one Gram matrix of the edges' clients' models ((|U| k)^2 D multiply-adds in a few large products)
+    costs less than the edges one by one (E k^2 D multiply-adds in small products, plus each edge's overhead):
+    small dense graphs, as the demo's and the runtime benchmark's."""
+    clients = torch.unique(torch.cat([src, dst])).numel()
+    d = sum(v.shape[2] for v in per_client)
+    return (clients * k) ** 2 * d <= src.numel() * (k * k * d + EDGE_OVERHEAD_MULTIPLY_ADDS)
+
+
+def gram_nearest_is_identity(per_client: list[Tensor], src: Tensor, dst: Tensor) -> Tensor:
+    """`nearest_is_identity` of every edge (src[e], dst[e]) at once, from the Gram matrix of the edges' clients'
+    models: <theta_ij, theta_ml> for every pair, the squared norms on its diagonal."""
+    clients, index = torch.unique(torch.cat([src, dst]), return_inverse=True)
+    n, k = per_client[0].shape[:2]
+    every = clients.numel() == n  # all clients: the [N k, D_t] views, no copy
+    gram = sum((f := (v if every else v[clients]).reshape(clients.numel() * k, -1)) @ f.T for v in per_client)
+    assert isinstance(gram, Tensor)
+    norms = gram.diagonal().view(-1, k)  # [|U|, k]
+    pairs = gram.view(-1, k, clients.numel(), k).permute(0, 2, 1, 3)  # [|U|, |U|, k, k]
+    i, m = index[: src.numel()], index[src.numel() :]
+    dist = norms[i].unsqueeze(-1) + norms[m].unsqueeze(-2) - 2 * pairs[i, m]  # squared L2, [E, k, k]
     return (dist.argmin(-1) == torch.arange(k, device=dist.device)).all(-1)

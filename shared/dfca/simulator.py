@@ -237,9 +237,11 @@ def round_record(sim: Simulation, t: int, sample: torch.Generator) -> dict[str, 
         "bytes_sent_per_client": sim.round_bytes,
         "bytes_sent_total": sim.total_bytes,  # per client, every round so far (seeding included)
     }
-    if ev.cluster_params is not None:
+    if ev.cluster_params is not None:  # the simulator's alone: a runtime worker sees only its own clients' models
+        began = time.perf_counter()
         record["disagreement"] = disagreement(ev.cluster_params)
         record["index_consistency"] = index_consistency(ev.cluster_params, sampled_edges(sim.ctx.adjacency, sample))
+        record["consensus_seconds"] = time.perf_counter() - began  # of the round's `seconds`
     record.update(sim.run_metrics(ev))
     return record
 
