@@ -19,7 +19,7 @@ from dfca.transport import InMemoryBroker, InMemoryTransport
 from dfca.wire import Envelope, encode_message
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from runtime_benchmark import bench_config, drivers_floor, gossip_body_bytes  # noqa: E402
+from runtime_benchmark import bench_config, drivers_floor, gossip_body_bytes, simulator_round_seconds  # noqa: E402
 
 
 def test_the_drivers_floor_times_the_simulators_run_and_every_phase_of_it() -> None:
@@ -51,3 +51,18 @@ def test_the_transport_comparison_sends_bodies_as_large_as_a_gossip_message() ->
     body, _ = encode_message(Envelope("size", 0, 9, "gossip", 0, 0, tensors), spec, torch.int8)
     assert config.runtime.payload_dtype == "int8" and config.model.hidden == 64
     assert gossip_body_bytes(64) == len(body)
+
+
+def test_the_simulators_baseline_is_its_round_less_the_consensus_metrics_no_runtime_round_computes() -> None:
+    """The simulator times each round with its consensus metrics (Disp_j, index consistency) inside and says how
+    long they took; the benchmark's baseline leaves them out (a runtime round computes none: no worker sees every
+    client's models), and puts each round's kind in the same-work figures."""
+    cfg = bench_config(3)
+    cfg["data"] = {**cfg["data"], "clients": 9, "train_per_client": 40, "test_per_client": 20}
+    history = simulate(ExperimentConfig.model_validate(cfg)).history
+    assert all(0 < h["consensus_seconds"] < h["seconds"] for h in history)
+    assert all("index_consistency" in h and "disagreement" in h for h in history)
+    sim = simulator_round_seconds(cfg, repeats=1)
+    assert 0 < sim.same_work < sim.seconds and sim.accuracy > 0.5
+    assert sim.by_kind and all(v > 0 for v in sim.by_kind.values())
+    assert sim.by_kind.keys() <= {"seeding", "merge", "gossip"}
