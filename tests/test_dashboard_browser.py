@@ -106,6 +106,9 @@ def test_the_dashboard_follows_a_run_and_stops_it(rabbitmq_url: str, tmp_path: P
             "return [...document.querySelectorAll('[data-testid=\"graph-node\"]')].map(n => n.getAttribute('fill'))")
         assert len(fills) == 24 and "#e5e7eb" not in fills  # every client drawn in its assigned cluster's colour
         assert len(browser.find_elements(By.CSS_SELECTOR, '[data-testid^="worker-"]')) == 3
+        until("each worker's device", lambda: browser.execute_script(  # read at once: the table is redrawn
+            "return [...document.querySelectorAll('[data-testid^=\"worker-\"]')].map(r => r.cells[2].textContent)"
+        ) == ["cpu"] * 3)  # where it placed its clients: the stack's workers compute on the CPU
         until("message counters", lambda: by_testid(browser, "messages-applied").text)
         if screenshot := os.environ.get("DFCA_DASHBOARD_SCREENSHOT"):
             browser.save_screenshot(screenshot)

@@ -200,7 +200,7 @@ function workersTable(table, states) {
   const rows = Object.entries(states).map(([w, s]) => {
     const tr = el("tr", { "data-testid": `worker-${w}` });
     const state = s.state === "dead" ? "presumed dead" : s.incarnations > 1 ? `${s.state} (restarted)` : s.state;
-    for (const c of [w, state, s.round, s.incarnations, s.seconds_since_seen === null ? "–" : `${fmt(s.seconds_since_seen, 1)} s ago`]) {
+    for (const c of [w, state, s.device || "–", s.round, s.incarnations, s.seconds_since_seen === null ? "–" : `${fmt(s.seconds_since_seen, 1)} s ago`]) {
       tr.append(el("td", {}, String(c)));
     }
     return tr;
