@@ -118,15 +118,10 @@ def index_consistency(params: Params, adjacency: Tensor, form: ConsistencyForm =
 def nearest_is_identity(per_client: list[Tensor], i: int | Tensor, m: int | Tensor) -> Tensor:
     """For the edge (i, m), or the edges (i[e], m[e]): whether the nearest cluster at m (squared L2 over every
     parameter tensor, [N, k, D_t] each) of each cluster j at i is j. An int indexes views; a tensor gathers."""
-    dots: Tensor | int = 0  # [.., k, k]: <theta_ij, theta_ml>
-    norms_i: Tensor | int = 0  # [.., k]: ||theta_ij||^2
-    norms_m: Tensor | int = 0
-    for v in per_client:
-        a, b = v[i], v[m]  # each gathered once
-        dots = dots + a @ b.transpose(-1, -2)
-        norms_i = norms_i + a.square().sum(-1)
-        norms_m = norms_m + b.square().sum(-1)
-    assert isinstance(dots, Tensor) and isinstance(norms_i, Tensor) and isinstance(norms_m, Tensor)
+    gathered = [(v[i], v[m]) for v in per_client]  # each tensor's two sides, gathered once
+    dots = sum(a @ b.transpose(-1, -2) for a, b in gathered)  # [.., k, k]: <theta_ij, theta_ml>
+    norms_i = sum(a.square().sum(-1) for a, _ in gathered)  # [.., k]: ||theta_ij||^2
+    norms_m = sum(b.square().sum(-1) for _, b in gathered)
     dist = norms_i.unsqueeze(-1) + norms_m.unsqueeze(-2) - 2 * dots  # squared L2, [.., k, k]
     k = dist.shape[-1]
     return (dist.argmin(-1) == torch.arange(k, device=dist.device)).all(-1)
@@ -150,8 +145,8 @@ def gram_nearest_is_identity(per_client: list[Tensor], src: Tensor, dst: Tensor)
     clients, index = torch.unique(torch.cat([src, dst]), return_inverse=True)
     n, k = per_client[0].shape[:2]
     every = clients.numel() == n  # all clients: the [N k, D_t] views, no copy
-    gram = sum((f := (v if every else v[clients]).reshape(clients.numel() * k, -1)) @ f.T for v in per_client)
-    assert isinstance(gram, Tensor)
+    rows = [(v if every else v[clients]).reshape(clients.numel() * k, -1) for v in per_client]  # [|U| k, D_t]
+    gram: Tensor = sum(f @ f.T for f in rows)  # type: ignore[assignment]
     norms = gram.diagonal().view(-1, k)  # [|U|, k]
     pairs = gram.view(-1, k, clients.numel(), k).permute(0, 2, 1, 3)  # [|U|, |U|, k, k]
     i, m = index[: src.numel()], index[src.numel() :]
