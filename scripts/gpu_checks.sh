@@ -5,13 +5,15 @@
 #      (workers computing on cuda over RabbitMQ, 8-bit payloads decoded onto the GPU);
 #   2. with a broker, benchmarks/runtime_benchmark.py on the machine's cores (CPU workers) and on cuda, for the
 #      24-client config;
-#   3. `dfca run` of the demo on cuda and on the CPU;
+#   3. `dfca run` of the demo on cuda and on the CPU, and what the simulator's consensus metrics cost on cuda;
 #   4. with a broker, the runtime benchmark's demo config on the CPU and on cuda;
 #   5. the simulator-round benchmark on cuda;
 #   6. with time left, the scale curve and the paper's scale on cuda.
 #
-#     bash scripts/gpu_checks.sh [OUT_DIR] [SECONDS]
+#     DFCA_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_checks.sh [OUT_DIR] [SECONDS]
 #
+# (DFCA_COMMIT: the commit the copy was made from, which the benchmarks' raw lines then name; a device machine's
+# copy of the repository may carry stale git metadata.)
 # OUT_DIR (default runs/gpu_checks) receives log.txt and each benchmark's raw figures; SECONDS (default 420) is
 # the budget: each step gets its own timeout and is skipped when too little is left. Python packages the machine
 # lacks can come as wheels in .whl/ (installed into /tmp/site, nothing else touched); the project itself is
@@ -87,6 +89,9 @@ s = json.loads(Path(f"/tmp/demo_{sys.argv[1]}/summary.json").read_text())
 print(sys.argv[1], {k: s[k] for k in ("device", "test_accuracy", "cluster_ari", "seconds_per_round", "wall_seconds") if k in s})
 EOF
 done
+
+step "the consensus metrics' forms on cuda"
+within 90 python3 benchmarks/consensus_metrics.py --device cuda --out "$out/consensus_metrics_runs.jsonl"
 
 if [ "$broker" = yes ]; then
   bench cpu --demo
