@@ -28,7 +28,7 @@ import torch
 from resumable_runs import RESULTS, commit
 
 from dfca.config import TopologyConfig
-from dfca.evaluation import disagreement, gram_is_cheaper, index_consistency
+from dfca.evaluation import auto_form, disagreement, index_consistency
 from dfca.graph import adjacency_matrix, build_graph
 from dfca.simulator import sampled_edges
 
@@ -71,7 +71,7 @@ def measure(name: str, device: str, repeats: int) -> dict[str, Any]:
     params = mlp_params(clients, hidden, device)
     src, dst = torch.nonzero(torch.triu(edges, diagonal=1), as_tuple=True)
     per_client = [t.view(clients, K, -1) for t in params.values()]
-    auto = ("blocks" if device != "cpu" else "gram" if gram_is_cheaper(K, per_client, src, dst) else "edges")
+    auto = auto_form(K, per_client, src, dst)
     row: dict[str, Any] = {"case": name, "clients": clients, "hidden": hidden, "edges": int(src.numel()),
                            "device": device, "auto": auto, "seconds": {}}
     values = {}

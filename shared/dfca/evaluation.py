@@ -99,8 +99,7 @@ def index_consistency(params: Params, adjacency: Tensor, form: ConsistencyForm =
     n = adjacency.shape[0]
     per_client = [t.view(n, k, -1) for t in params.values()]  # [N, k, D_t] views, no copy
     if form == "auto":
-        form = "blocks" if adjacency.device.type != "cpu" else (
-            "gram" if gram_is_cheaper(k, per_client, src, dst) else "edges")
+        form = auto_form(k, per_client, src, dst)
     if form == "gram":
         return int(gram_nearest_is_identity(per_client, src, dst).sum()) / src.numel()
     if form == "edges":
@@ -126,6 +125,13 @@ def nearest_is_identity(per_client: list[Tensor], i: int | Tensor, m: int | Tens
     k = dist.shape[-1]
     return (dist.argmin(-1) == torch.arange(k, device=dist.device)).all(-1)
 
+
+
+def auto_form(k: int, per_client: list[Tensor], src: Tensor, dst: Tensor) -> ConsistencyForm:
+    """The form `auto` takes for these edges: blocks on a GPU; on the CPU the Gram matrix where it is cheaper."""
+    if per_client[0].device.type != "cpu":
+        return "blocks"
+    return "gram" if gram_is_cheaper(k, per_client, src, dst) else "edges"
 
 EDGE_OVERHEAD_MULTIPLY_ADDS = 20e6  # what an edge's ~60 small operations cost on the CPU, in a matmul's multiply-adds
 
