@@ -329,18 +329,20 @@ def peak_decoded_models(degree: int, aggregation: str, monkeypatch: pytest.Monke
                          queue=topics.worker_queue("star", "worker-1"))  # two queues: the centre is not c % workers
     alive: list[weakref.ref[torch.Tensor]] = []
     peak = 0
-    decode = message_driver.decode_message
+    decode = message_driver.decode_messages
 
-    def counting(*args: Any, **kwargs: Any) -> Envelope:
+    def counting(*args: Any, **kwargs: Any) -> list[Envelope | PayloadRejected]:
         nonlocal peak
-        envelope = decode(*args, **kwargs)
-        if envelope.sender != 0:
-            alive[:] = [r for r in alive if r() is not None]
-            alive.append(weakref.ref(envelope.tensors["w1"]))
-            peak = max(peak, len(alive))
-        return envelope
+        decoded = decode(*args, **kwargs)
+        for envelope in decoded:
+            assert isinstance(envelope, Envelope)
+            if envelope.sender != 0:
+                alive[:] = [r for r in alive if r() is not None]
+                alive.append(weakref.ref(envelope.tensors["w1"]))
+                peak = max(peak, len(alive))
+        return decoded
 
-    monkeypatch.setattr(message_driver, "decode_message", counting)
+    monkeypatch.setattr(message_driver, "decode_messages", counting)
     lockstep_round(LockstepRun([rest, centre], None), 0)
     assert centre.stats.applied == degree
     state = sum(t.numel() for t in centre.algorithm.state().values())
@@ -472,30 +474,30 @@ def test_a_message_fanned_out_to_several_hosted_clients_is_decoded_once(monkeypa
     rest = client_driver(cfg, "star", others, ctx.data.subset(others), graph, InMemoryTransport(broker),
                          queue=topics.worker_queue("star", "worker-1"))  # two queues: the centre is not c % workers
     senders: Counter[int] = Counter()
-    decode = message_driver.decode_message
+    decode = message_driver.decode_messages
 
-    def counting(*args: Any, **kwargs: Any) -> Envelope:
-        envelope = decode(*args, **kwargs)
-        senders[envelope.sender] += 1
-        return envelope
+    def counting(*args: Any, **kwargs: Any) -> list[Envelope | PayloadRejected]:
+        decoded = decode(*args, **kwargs)
+        senders.update(e.sender for e in decoded if isinstance(e, Envelope))
+        return decoded
 
-    monkeypatch.setattr(message_driver, "decode_message", counting)
+    monkeypatch.setattr(message_driver, "decode_messages", counting)
     lockstep_round(LockstepRun([rest, centre], None), 0)
     assert senders[0] == 1 and rest.stats.applied == degree  # one decode, folded into all six clients
     assert senders[1] == 1 and centre.stats.applied == degree
 
-    # the same key and headers with another body: not taken from the decoded copy
+    # the same key and headers with another body, in one batch with copies: not taken from the decoded copy
     body, headers = encode_message(Envelope("star", 0, 0, "models", 0, 0, {n: torch.zeros(s) for n, s in
                                                                             ctx.model.shapes().items()}),
                                    rest.algorithm.payload(rest.exchanges[0]))
-    memo: dict[tuple[str, str], tuple[bytes, Envelope]] = {}
     key = topics.model_key("star", W0, 0, 0)
-    first = rest._decode(Message(topics.MODELS_EXCHANGE, key, body, headers), memo)
     tampered = bytearray(body)
     tampered[-1] ^= 1
-    with pytest.raises(PayloadRejected, match="sha256"):
-        rest._decode(Message(topics.MODELS_EXCHANGE, key, bytes(tampered), headers), memo)
-    assert rest._decode(Message(topics.MODELS_EXCHANGE, key, body, headers), memo) is first
+    first, forged, again = rest._decode([Message(topics.MODELS_EXCHANGE, key, body, headers),
+                                         Message(topics.MODELS_EXCHANGE, key, bytes(tampered), headers),
+                                         Message(topics.MODELS_EXCHANGE, key, body, headers)])
+    assert isinstance(first, Envelope) and again is first
+    assert isinstance(forged, PayloadRejected) and "sha256" in str(forged)
 
 
 def test_a_workers_own_clients_messages_stay_in_the_process_and_a_broker_copy_is_dropped() -> None:
@@ -512,10 +514,11 @@ def test_a_workers_own_clients_messages_stay_in_the_process_and_a_broker_copy_is
         counts: Counter[int] = Counter()
         decoded.append(counts)
 
-        def counting(message: Message, memo: Any, d: MessageDriver = d, counts: Counter[int] = counts) -> Envelope:
-            envelope = MessageDriver._decode(d, message, memo)
-            counts[envelope.sender] += 1
-            return envelope
+        def counting(messages: list[Message], d: MessageDriver = d,
+                     counts: Counter[int] = counts) -> list[Envelope | PayloadRejected]:
+            envelopes = MessageDriver._decode(d, messages)
+            counts.update(e.sender for e in envelopes if isinstance(e, Envelope))
+            return envelopes
 
         d._decode = counting  # type: ignore[method-assign]
     own = drivers[0]

@@ -143,7 +143,7 @@ def sha256(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
-def _wire_dtype(spec: TensorSpec, model_dtype: torch.dtype) -> torch.dtype:
+def wire_dtype(spec: TensorSpec, model_dtype: torch.dtype) -> torch.dtype:
     return {"model": model_dtype, "float32": torch.float32, "float64": torch.float64, "int64": torch.int64}[spec.kind]
 
 
@@ -175,7 +175,7 @@ def encode_message(
                 received.put_codes(n, tensors[n], tensors[n + SCALE])
         else:
             t = envelope.tensors[n].detach().to("cpu")
-            tensors[n] = t.to(_wire_dtype(s, model_dtype))
+            tensors[n] = t.to(wire_dtype(s, model_dtype))
             if received is not None:  # a copy: what was sent may be state that folding changes in place
                 received.put(n, (tensors[n].to(t.dtype) if s.kind == "model" else t).clone())
     body = serialize(tensors)
@@ -233,7 +233,7 @@ def model_as_received(t: torch.Tensor, model_dtype: torch.dtype, out: torch.Tens
 def body_bytes(spec: Spec, shapes: Mapping[str, tuple[int, ...]], model_dtype: torch.dtype = torch.float32) -> int:
     """The length of `encode_message`'s body for tensors of these shapes (the safetensors header included),
     without the tensors: what the simulator counts as sent for a message the message driver would publish."""
-    entries = [(n, tuple(shapes[n]), str(_wire_dtype(s, model_dtype))) for n, s in spec.items()]
+    entries = [(n, tuple(shapes[n]), str(wire_dtype(s, model_dtype))) for n, s in spec.items()]
     if model_dtype == torch.int8:
         entries += [(n + SCALE, tuple(shapes[n])[:-1], str(torch.float32))
                     for n, s in spec.items() if s.kind == "model"]
@@ -274,8 +274,17 @@ def read_headers(routing_key: str, headers: Mapping[str, object], experiment: st
 
 def read_tensors(body: bytes, headers: Mapping[str, object], spec: Spec) -> WireTensors:
     """The payload's tensors, checked against `spec`: models read as float32 (8-bit codes when first read)."""
+    check_checksum(body, headers)
+    return read_body(body, headers, spec)
+
+
+def check_checksum(body: bytes, headers: Mapping[str, object]) -> None:
     if sha256(body) != str(headers.get("sha256")):
         raise PayloadRejected("checksum", "sha256 of the body does not match its header")
+
+
+def read_body(body: bytes, headers: Mapping[str, object], spec: Spec) -> WireTensors:
+    """read_tensors of a body whose checksum was checked."""
     try:
         tensors = st_load(bytes(body))
     except Exception as err:  # safetensors raises several types on garbage
@@ -307,8 +316,8 @@ def read_tensors(body: bytes, headers: Mapping[str, object], spec: Spec) -> Wire
         if s.kind != "model" and bool((t < 0).any()):
             raise PayloadRejected("negative", f"{name} holds a negative weight")
         out.put(name, t)
-    if scales and not _scales_valid(torch.cat(scales)):  # all of them in one reduction; then find the culprit
-        bad = next(n for n, s in spec.items() if s.kind == "model" and not _scales_valid(tensors[n + SCALE]))
+    if scales and not scales_valid(torch.cat(scales)):  # all of them in one reduction; then find the culprit
+        bad = next(n for n, s in spec.items() if s.kind == "model" and not scales_valid(tensors[n + SCALE]))
         raise PayloadRejected("non_finite", f"{bad}{SCALE} holds a negative or non-finite scale")
     return out
 
@@ -322,7 +331,7 @@ def _checked_codes(name: str, codes: torch.Tensor, scale: torch.Tensor) -> Codes
     return codes, scale
 
 
-def _scales_valid(scale: torch.Tensor) -> bool:
+def scales_valid(scale: torch.Tensor) -> bool:
     """Every scale finite and >= 0, in one reduction: NaN makes the least scale NaN (not >= 0), an infinity the
     largest."""
     if not scale.numel():

@@ -12,8 +12,10 @@ It runs the simulator's algorithm objects (dfca.algorithms) unchanged and owns e
 - each exchange of a round: publish every hosted row's message, collect until every expected sender's
   messages arrived or the deadline passed (`runtime.round_timeout` x the exchange's `wait`; counted from
   the first arrival where the exchange `needs_arrival`), close it;
-- one decoder (dfca.wire.decode_message): routing key against headers, experiment, an exchange that the
-  message's round has, payload names, shapes and values; a bad message is dead-lettered and counted;
+- one decoder (dfca.wire.decode_message's checks; dfca.wire_batches.decode_messages applies them to what arrived
+  together): routing key against headers, experiment, an exchange that the message's round has, payload names,
+  shapes and values; a bad message is dead-lettered and counted; an outbox is encoded together too
+  (dfca.wire_batches.encode_rows: the bytes of one message at a time);
 - the sender's host: the routing key must name the principal hosting the sender (client c on worker
   c % workers, a central role on the aggregator) and, where the driver's own broker user is a principal's,
   the broker-proven publisher must be that principal (dfca.principals), else `publisher` is counted;
@@ -50,7 +52,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,19 +68,8 @@ from dfca.runtime.host_transport import RunInterrupted
 from dfca.runtime.liveness import NeighbourLiveness
 from dfca.transport import Message, Transport
 from dfca.transport.broker_setup import ensure_broker_topology
-from dfca.wire import (
-    PAYLOAD_DTYPES,
-    Envelope,
-    PayloadRejected,
-    Spec,
-    WireTensors,
-    decode_message,
-    encode_message,
-    message_bytes,
-    quantize_rows,
-    shape_of,
-    stacked,
-)
+from dfca.wire import PAYLOAD_DTYPES, Envelope, PayloadRejected, Spec, message_bytes, shape_of, stacked
+from dfca.wire_batches import decode_messages, encode_rows
 
 log = logging.getLogger(__name__)
 # A live neighbour is a round or two ahead at most (it waits for this client's messages, or a deadline, in every
@@ -343,25 +334,19 @@ class MessageDriver:
         models = self.algorithm.ctx.model.shapes()
         check_finite(self.algorithm, self.round,
                      {n: out.tensors[n] for n in spec if n in models or n.split(".", 1)[-1] in models})
+        heads = [Envelope(self.experiment, self.ids[row], self.round, ex.name, ex.step, part)
+                 for row, part in zip(out.row.tolist(), out.part.tolist(), strict=True)]
+        hearing_of = [self.rows_hearing(h.sender, ex) if h.sender in self.hosted else [] for h in heads]
+        encoded = encode_rows(heads, spec, out.tensors, self.model_dtype, out.lengths, [bool(h) for h in hearing_of])
         batch, sent, local = [], 0, []
-        codes = quantize_rows(spec, out.tensors, self.model_dtype)  # every row's 8-bit codes at once
-        for s, (row, part) in enumerate(zip(out.row.tolist(), out.part.tolist(), strict=True)):
-            sender = self.ids[row]
-            rows = None if out.lengths is None else int(out.lengths[s])
-            envelope = Envelope(self.experiment, sender, self.round, ex.name, ex.step, part,
-                                {n: out.tensors[n][s][:rows] if spec[n].ragged else out.tensors[n][s] for n in spec})
-            hearing = self.rows_hearing(sender, ex) if sender in self.hosted else []
-            received = WireTensors() if hearing else None
-            mine = {n: (c[s][:rows], scale[s][:rows]) if spec[n].ragged else (c[s], scale[s])
-                    for n, (c, scale) in codes.items()}
-            body, headers = encode_message(envelope, spec, self.model_dtype, received, mine)
-            key = topics.model_key(self.experiment, self.host_of(sender), sender, part)
+        for head, hearing, (body, headers, received) in zip(heads, hearing_of, encoded, strict=True):
+            key = topics.model_key(self.experiment, self.host_of(head.sender), head.sender, head.part)
             batch.append((topics.MODELS_EXCHANGE, key, body, headers))
             if self.side == "clients":  # a client's traffic: the message once per receiver, as the simulator counts
-                receivers = 1 if ex.receiver == "server" else len(self.algorithm.ctx.graph.get(sender, ()))
+                receivers = 1 if ex.receiver == "server" else len(self.algorithm.ctx.graph.get(head.sender, ()))
                 sent += message_bytes(len(body), headers, key) * receivers
             if received is not None:  # hosted rows hear it: their copy, as decoding the published one gives it
-                local.append((Envelope(self.experiment, sender, self.round, ex.name, ex.step, part, received), hearing))
+                local.append((replace(head, tensors=received), hearing))
         self.transport.publish_pipelined(batch)  # the rows' messages together; confirmed by the end of the round
         self.stats.published += len(batch)
         self.bytes_sent += sent
@@ -453,46 +438,61 @@ class MessageDriver:
 
     def _take(self, arrived: list[Message]) -> None:
         """handle_many, but what is ready for the open exchange is folded when due (_fold_if_due): at most
-        FOLD_BATCH distinct messages are held decoded for it at once."""
+        FOLD_BATCH distinct messages are held decoded for it at once, those being decoded (together) included."""
         with self.timed("receive"):
-            decoded: dict[tuple[str, str], tuple[bytes, Envelope]] = {}
-            for message in arrived:
+            pending = arrived
+            while pending:
                 if len(self.ready_messages) >= FOLD_BATCH:
                     self._fold_ready()
-                    decoded = {}  # nor kept alive here
-                self._handle(message, decoded)
+                room = FOLD_BATCH - len(self.ready_messages)
+                batch, pending = [m for m in pending[:room] if self._screen(m)], pending[room:]
+                for message, decoded in zip(batch, self._decode(batch), strict=True):
+                    self._handle(message, decoded)
             self._fold_if_due()
 
-    def _decode(self, message: Message, decoded: dict[tuple[str, str], tuple[bytes, Envelope]]) -> Envelope:
-        """decode_message, once for all copies of one message in `decoded`: the same routing key, headers and body
+    def _decode(self, messages: list[Message]) -> list[Envelope | PayloadRejected]:
+        """decode_messages (together), once for all copies of one message: the same routing key, headers and body
         decode to the same envelope (the body is compared, not only its stated checksum)."""
-        key = (message.routing_key, json.dumps(message.headers, sort_keys=True, default=str))
-        if (seen := decoded.get(key)) is not None and seen[0] == message.body:
-            return seen[1]
-        envelope = decode_message(message.routing_key, message.body, message.headers, self.experiment, self.spec_of)
-        decoded[key] = (message.body, envelope)
-        return envelope
+        firsts: dict[tuple[str, str], list[int]] = {}  # key and headers -> the distinct messages that have them
+        distinct: list[Message] = []
+        which: list[int] = []
+        for message in messages:
+            same = firsts.setdefault((message.routing_key, json.dumps(message.headers, sort_keys=True, default=str)),
+                                     [])
+            at = next((i for i in same if distinct[i].body == message.body), None)
+            if at is None:
+                at = len(distinct)
+                same.append(at)
+                distinct.append(message)
+            which.append(at)
+        decoded = decode_messages([(m.routing_key, m.body, m.headers) for m in distinct], self.experiment,
+                                  self.spec_of)
+        return [decoded[at] for at in which]
 
-    def _handle(self, message: Message, decoded: dict[tuple[str, str], tuple[bytes, Envelope]]) -> None:
+    def _screen(self, message: Message) -> bool:
+        """What is settled before decoding: a copy of a hosted client's message (delivered locally) is acknowledged,
+        one not published by its sender's host rejected. True: the message is to be decoded."""
         key = model_key_of(message)
         if key is not None and key.sender in self.hosted:
             self.stats.not_neighbour += 1  # a copy of what was delivered locally (a binding made for another driver)
             self.transport.ack(message)
-            return
+            return False
         if not self.from_senders_host(message, key):
             self.stats.rejected["publisher"] += 1
             self._warn("rejected message %s for %s: published by %r, not by its sender's host", message.routing_key,
                        self.queue, message.publisher)
             self.transport.reject(message, requeue=False)
-            return
-        try:
-            envelope = self._decode(message, decoded)
-        except PayloadRejected as err:
-            self.stats.rejected[err.reason] += 1
-            self._warn("rejected message %s for %s: %s", message.routing_key, self.queue, err)
+            return False
+        return True
+
+    def _handle(self, message: Message, decoded: Envelope | PayloadRejected) -> None:
+        if isinstance(decoded, PayloadRejected):
+            self.stats.rejected[decoded.reason] += 1
+            self._warn("rejected message %s for %s: %s", message.routing_key, self.queue, decoded)
             self.transport.reject(message, requeue=False)  # to the dead-letter exchange
             self._count_invalid(message)
             return
+        envelope = decoded
         self.sightings[envelope.sender] = max(envelope.round, self.sightings.get(envelope.sender, envelope.round))
         _, ex = self.exchange_of(envelope)
         rows = self.rows_hearing(envelope.sender, ex)
