@@ -17,7 +17,6 @@ Appends one line per case, with the commit and the machine's load, to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from resumable_runs import RESULTS, commit
+from resumable_runs import RESULTS, append_stamped
 
 from dfca.config import TopologyConfig
 from dfca.evaluation import auto_form, disagreement, index_consistency
@@ -93,12 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
     rows = [measure(name, args.device, args.repeats) for name in args.cases.split(",")]
-    stamp = {"commit": commit(), "load_before": load_before, "load_after": os.getloadavg()[0],
-             "threads": torch.get_num_threads()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        for row in rows:
-            f.write(json.dumps({**stamp, **row}) + "\n")
+    stamp = append_stamped(args.out, rows, load_before, threads=torch.get_num_threads())
     print(f"index consistency of the simulator's sampled edges (k={K}), seconds, best of {args.repeats}; "
           f"{args.device}, {stamp['threads']} threads:\n")
     print("| case | clients | h | edges | edges form | gram | blocks | auto takes | edges form ÷ auto | Disp_j |")

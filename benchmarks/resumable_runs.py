@@ -1,5 +1,6 @@
 """What the sweep benchmarks share: a results file that every finished run is appended to (so a sweep resumes
-where it stopped), a process pool with one BLAS thread per process, and the commit a table names."""
+where it stopped), a process pool with one BLAS thread per process, the commit a table names, and rows appended with
+that commit and the machine's load."""
 
 from __future__ import annotations
 
@@ -39,6 +40,17 @@ def run_pending(todo: list[Run], one_run: Callable[[Run], Run], results: Path, p
             elif i % 50 == 0:
                 print(f"  {i}/{len(todo)}", flush=True)
     return finished
+
+
+def append_stamped(out: Path, rows: list[Run], load_before: float, **extra: Any) -> Run:
+    """Append each row to `out` as a JSON line, stamped with the commit, the machine's load before the runs and now,
+    and `extra`; returns the stamp."""
+    stamp = {"commit": commit(), "load_before": load_before, "load_after": os.getloadavg()[0], **extra}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        for row in rows:
+            f.write(json.dumps({**stamp, **row}) + "\n")
+    return stamp
 
 
 def one_thread() -> None:

@@ -20,7 +20,6 @@ h=200: 318 kB messages).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from resumable_runs import RESULTS, commit
+from resumable_runs import RESULTS, append_stamped
 
 from dfca import topics
 from dfca.wire import (
@@ -126,11 +125,7 @@ def main() -> None:
     torch.set_num_threads(1)  # as each of the runtime's workers computes
     load_before = os.getloadavg()[0]
     rows = [measure(case, args.rows, args.repeats, args.loops) for case in args.cases.split(",")]
-    stamp = {"commit": commit(), "load_before": load_before, "load_after": os.getloadavg()[0], "threads": 1}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        for row in rows:
-            f.write(json.dumps({**stamp, **row}) + "\n")
+    stamp = append_stamped(args.out, rows, load_before, threads=1)
     print(f"microseconds per message, medians of {args.repeats} x {args.loops} calls, one thread; 8-bit gossip "
           f"payloads, k={K}; an outbox of {args.rows} encoded, {ARRIVALS} arrivals decoded, stacked and dequantized:\n")
     print("| case | body | encode: one at a time | together | ratio | decode: one at a time | together | ratio | "

@@ -82,14 +82,7 @@ def encode_rows(heads: Sequence[Envelope], spec: Spec, tensors: Mapping[str, tor
     out: list[Encoded] = []
     for s, head in enumerate(heads):
         body = b"".join([file.prefix, *(d[s] for d in data)])
-        copy = None
-        if wanted[s]:
-            copy = WireTensors()
-            for n in spec:
-                if n in code_rows:
-                    copy.put_codes(n, code_rows[n][0][s], code_rows[n][1][s])
-                else:
-                    copy.put(n, sent_copies[n][s])
+        copy = _payload(spec, code_rows, sent_copies, s) if wanted[s] else None
         out.append((body, headers_of(head, model_dtype, sha256(body)), copy))
     return out
 
@@ -187,13 +180,18 @@ def _read_together(file: Layout, spec: Spec, bodies: list[bytes], quantized: boo
         values[name] = t.unbind(0)
     if scales and not scales_valid(torch.cat(scales, 1)):
         return None
-    payloads = []
-    for m in range(count):
-        payload = WireTensors()
-        for name in spec:
-            if name in codes:
-                payload.put_codes(name, codes[name][0][m], codes[name][1][m])
-            else:
-                payload.put(name, values[name][m])
-        payloads.append(payload)
-    return payloads
+    return [_payload(spec, codes, values, m) for m in range(count)]
+
+
+RowCodes = Mapping[str, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]  # name -> each row's codes, scales
+
+
+def _payload(spec: Spec, codes: RowCodes, values: Mapping[str, Sequence[torch.Tensor]], row: int) -> WireTensors:
+    """Row `row`'s payload, in the spec's order: its codes and scales where a tensor has them, else its values."""
+    payload = WireTensors()
+    for name in spec:
+        if name in codes:
+            payload.put_codes(name, codes[name][0][row], codes[name][1][row])
+        else:
+            payload.put(name, values[name][row])
+    return payload
