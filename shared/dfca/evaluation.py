@@ -6,8 +6,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
-from sklearn.metrics import adjusted_rand_score
 from torch import Tensor
 
 from dfca.core.params import cluster_views
@@ -15,6 +13,8 @@ from dfca.models import Params
 
 
 def cluster_ari(assigned: Tensor, truth: Tensor) -> float:
+    from sklearn.metrics import adjusted_rand_score  # when used: slow to import
+
     return float(adjusted_rand_score(truth.numpy(), assigned.numpy()))
 
 
@@ -23,6 +23,8 @@ def cluster_accuracy(assigned: Tensor, truth: Tensor) -> float:
     k = int(max(assigned.max(), truth.max())) + 1
     counts = np.zeros((k, k), dtype=np.int64)
     np.add.at(counts, (assigned.numpy(), truth.numpy()), 1)
+    from scipy.optimize import linear_sum_assignment  # when used: slow to import
+
     rows, cols = linear_sum_assignment(-counts)
     return float(counts[rows, cols].sum() / len(truth))
 

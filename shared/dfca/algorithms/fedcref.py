@@ -58,7 +58,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from sklearn.cluster import KMeans
 from torch import Tensor
 
 from dfca.algorithms.base import Algorithm, Evaluation, Exchange, Graph, HostContext, Inbox, Outbox, params_in, state_of
@@ -164,6 +163,8 @@ class FedCRef(Algorithm):
                 rng = np.random.default_rng(np.random.SeedSequence([cfg.seed % 2**63, client, 17]))
                 found = dirty_labels(self.truth[r, ok].cpu().numpy(), o.dirtiness, rng)
             else:
+                from sklearn.cluster import KMeans  # when used: slow to import
+
                 fit = KMeans(int(self.clusters[r]), n_init=10, random_state=(cfg.seed + client) % 2**31)
                 found = fit.fit(codes[r, : int(self.counts[r])].cpu().numpy()).labels_.astype(np.int64)
             labels[r, ok] = torch.from_numpy(found).to(labels.device)

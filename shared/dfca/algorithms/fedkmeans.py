@@ -42,8 +42,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from sklearn.cluster import KMeans
-from sklearn.metrics import adjusted_rand_score
 from torch import Tensor
 
 from dfca.algorithms.base import Algorithm, Evaluation, Exchange, Graph, HostContext, Inbox, Outbox, params_in, state_of
@@ -227,6 +225,8 @@ def centralised_centroids(cfg: ExperimentConfig, points: Tensor) -> Tensor:
     """k-means on the pooled points [P, d] (k-means++, 10 starts, seeded): eq. (12)'s reference W^cen."""
     key = (cfg.data.model_dump_json(), cfg.seed, cfg.clusters, tuple(points.shape))
     if key not in _REFERENCES:
+        from sklearn.cluster import KMeans  # when used: slow to import
+
         fit = KMeans(cfg.clusters, init="k-means++", n_init=10, random_state=cfg.seed % 2**31)
         _REFERENCES[key] = torch.from_numpy(fit.fit(points.double().numpy()).cluster_centers_).float()
         while len(_REFERENCES) > 16:
@@ -259,6 +259,8 @@ def kmeans_metrics(cfg: ExperimentConfig, data: FederatedData, graph: Graph,
     edges = [(row[c], row[m]) for c in clients for m in graph.get(c, ()) if m in row and m > c]
     gtv = sum(float(set_distance(w[a], w[b])) for a, b in edges)  # each undirected edge once, as in (7)
     labels = squared_distances(x, w).argmin(-1)
+    from sklearn.metrics import adjusted_rand_score  # when used: slow to import
+
     ari = float(np.mean([adjusted_rand_score(t.numpy(), p.numpy()) for t, p in zip(y, labels, strict=True)]))
     losses = squared_distances(x, w).min(-1).values.sum(1)  # L_i of (6)
     point_weight = 1.0 if cfg.fedkmeans.data_weight == "one" else 1.0 / x.shape[1]

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
-from scipy.sparse import coo_matrix
-from scipy.sparse.csgraph import connected_components
 from torch import Tensor
 
 
@@ -55,8 +52,7 @@ def communities(nodes: int, edges: np.ndarray) -> np.ndarray:
     if nodes == 0:
         return np.zeros(0, dtype=np.int64)
     e = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
-    graph = coo_matrix((np.ones(len(e)), (e[:, 0], e[:, 1])), shape=(nodes, nodes))
-    _, component = connected_components(graph, directed=False)
+    component = _components(nodes, e[:, 0], e[:, 1])
     sizes = np.bincount(component)
     out = np.full(nodes, -1, dtype=np.int64)
     next_id: dict[int, int] = {}
@@ -65,6 +61,15 @@ def communities(nodes: int, edges: np.ndarray) -> np.ndarray:
         if sizes[c] >= 2:
             out[node] = next_id.setdefault(c, len(next_id))
     return out
+
+
+def _components(nodes: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[nodes] connected-component ids of the undirected graph with edges (a[i], b[i])."""
+    from scipy.sparse import coo_matrix  # when used: slow to import
+    from scipy.sparse.csgraph import connected_components
+
+    graph = coo_matrix((np.ones(len(a)), (a, b)), shape=(nodes, nodes))
+    return connected_components(graph, directed=False)[1]
 
 
 def merged_communities(node_of: np.ndarray, votes: np.ndarray, share: float = 0.5) -> np.ndarray:
@@ -87,8 +92,7 @@ def merged_communities(node_of: np.ndarray, votes: np.ndarray, share: float = 0.
     linked = backs & backs.T
     np.fill_diagonal(linked, False)
     a, b = np.nonzero(linked)
-    graph = coo_matrix((np.ones(len(a)), (a, b)), shape=(groups, groups))
-    _, component = connected_components(graph, directed=False)
+    component = _components(groups, a, b)
     renumber: dict[int, int] = {}
     return np.array([renumber.setdefault(int(c), len(renumber)) for c in component], dtype=np.int64)
 
@@ -131,6 +135,8 @@ def agreement(a: np.ndarray, b: np.ndarray) -> float:
     _, bi = np.unique(b, return_inverse=True)
     counts = np.zeros((ai.max() + 1, bi.max() + 1), dtype=np.int64)
     np.add.at(counts, (ai, bi), 1)
+    from scipy.optimize import linear_sum_assignment  # when used: slow to import
+
     rows, cols = linear_sum_assignment(-counts)
     return float(counts[rows, cols].sum() / a.size)
 

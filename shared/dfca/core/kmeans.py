@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from sklearn.cluster import kmeans_plusplus
 from torch import Tensor
 
 
@@ -47,6 +46,8 @@ def kmeans_plus_plus(points: Tensor, k: int, seed: int) -> Tensor:
     m = points.shape[0]
     if k > m:
         raise ValueError(f"k-means++ needs at least k={k} points, the node has {m}")
+    from sklearn.cluster import kmeans_plusplus  # when used: slow to import
+
     centres, _ = kmeans_plusplus(points.detach().cpu().double().numpy(), k, random_state=seed % 2**31)
     return torch.from_numpy(centres).to(points.device, points.dtype)
 

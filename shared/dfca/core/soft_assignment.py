@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
 from dfca.core.params import gather_clusters, scatter_clusters
@@ -68,6 +67,8 @@ def mixture_error(estimated: Tensor, truth: Tensor) -> float:
     """Mean absolute error between estimated and true mixtures [M, k] under the best relabelling of clusters
     (cluster indices are arbitrary: label switching)."""
     cost = (estimated.unsqueeze(2) - truth.unsqueeze(1)).abs().mean(0)  # [k est, k true]
+    from scipy.optimize import linear_sum_assignment  # when used: slow to import
+
     rows, cols = linear_sum_assignment(cost.cpu().numpy())
     return float(cost[rows, cols].mean())
 

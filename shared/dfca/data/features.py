@@ -20,7 +20,6 @@ import math
 
 import numpy as np
 import torch
-from sklearn.datasets import make_blobs
 
 from dfca.config import ExperimentConfig
 from dfca.data.partition import seeded_rng
@@ -50,6 +49,8 @@ def blobs(cfg: ExperimentConfig) -> FederatedData:
     centres = blob_centres(k, data.feature_dim, rng)
     std = [HETEROGENEOUS_STD[j % len(HETEROGENEOUS_STD)] for j in range(k)] if data.geometry == "heterogeneous" else 1.0
     per_node = data.train_per_client + data.test_per_client
+    from sklearn.datasets import make_blobs  # when used: slow to import
+
     x, y = make_blobs(n_samples=n * per_node, centers=centres, cluster_std=std,
                       random_state=int(rng.integers(2**31 - 1)), shuffle=True)
     if data.geometry == "anisotropic":
