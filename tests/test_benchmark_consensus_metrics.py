@@ -3,20 +3,14 @@ forms agreeing, and `auto`'s choice recorded as the metric takes it."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmark_runs import run_benchmark
 
 
 def test_the_benchmark_times_every_form_on_sampled_edges_and_records_autos_choice(tmp_path: Path) -> None:
-    out = tmp_path / "runs.jsonl"
-    run = subprocess.run([sys.executable, "benchmarks/consensus_metrics.py", "--cases", "runtime,100", "--repeats", "1",
-                          "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stderr
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows, printed = run_benchmark("consensus_metrics.py", "--cases", "runtime,100", "--repeats", "1",
+                                  out=tmp_path / "runs.jsonl")
     assert [r["case"] for r in rows] == ["runtime", "100"]
     runtime, sparse = rows
     assert (runtime["clients"], runtime["hidden"], sparse["clients"]) == (24, 64, 100)
@@ -25,4 +19,4 @@ def test_the_benchmark_times_every_form_on_sampled_edges_and_records_autos_choic
     for r in rows:
         assert set(r["seconds"]) == {"edges", "gram", "blocks"} and all(v > 0 for v in r["seconds"].values())
         assert r["disagreement_seconds"] > 0 and r["commit"]  # (the forms' agreement: the benchmark fails if not)
-    assert "| runtime | 24 | 64 |" in run.stdout
+    assert "| runtime | 24 | 64 |" in printed

@@ -3,24 +3,17 @@ message, the two ways checked to give the same bytes and values."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmark_runs import run_benchmark
 
 
 def test_the_benchmark_times_both_ways_for_each_case_and_records_them(tmp_path: Path) -> None:
-    out = tmp_path / "runs.jsonl"
-    run = subprocess.run([sys.executable, "benchmarks/wire_batches.py", "--cases", "runtime", "--rows", "3",
-                          "--repeats", "1", "--loops", "1", "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stderr
-    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    (row,), printed = run_benchmark("wire_batches.py", "--cases", "runtime", "--rows", "3", "--repeats", "1",
+                                    "--loops", "1", out=tmp_path / "runs.jsonl")
     assert (row["case"], row["hidden"], row["rows"], row["arrivals"]) == ("runtime", 64, 3, 16)
     assert row["body_bytes"] > 100_000 and row["commit"]  # 8-bit codes of two 784-64-10 models, with their scales
     for way in ("encode_seconds_per_message", "decode_seconds_per_message"):
         assert set(row[way]) == {"alone", "together"} and all(v > 0 for v in row[way].values())
     assert row["sha256_seconds_per_message"] > 0
-    assert "| runtime | 109 kB |" in run.stdout
+    assert "| runtime | 109 kB |" in printed
