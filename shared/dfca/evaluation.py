@@ -20,11 +20,11 @@ def cluster_ari(assigned: Tensor, truth: Tensor) -> float:
 
 def cluster_accuracy(assigned: Tensor, truth: Tensor) -> float:
     """Share of clients whose assignment matches the truth under the best label matching (Hungarian)."""
+    from scipy.optimize import linear_sum_assignment  # when used: slow to import
+
     k = int(max(assigned.max(), truth.max())) + 1
     counts = np.zeros((k, k), dtype=np.int64)
     np.add.at(counts, (assigned.numpy(), truth.numpy()), 1)
-    from scipy.optimize import linear_sum_assignment  # when used: slow to import
-
     rows, cols = linear_sum_assignment(-counts)
     return float(counts[rows, cols].sum() / len(truth))
 

@@ -154,6 +154,8 @@ class FedCRef(Algorithm):
     # -- step 0: the initial clustering -----------------------------------------------------------------------
     def initial_labels(self) -> Tensor:
         """[M, n_max]: Q_i, the initial clusters (-1 on padding)."""
+        from sklearn.cluster import KMeans  # when used: slow to import
+
         o, cfg = self.options, self.ctx.cfg
         labels = torch.full_like(self.truth, -1)
         codes = self.local_codes() if o.init == "kmeans" else None
@@ -163,8 +165,6 @@ class FedCRef(Algorithm):
                 rng = np.random.default_rng(np.random.SeedSequence([cfg.seed % 2**63, client, 17]))
                 found = dirty_labels(self.truth[r, ok].cpu().numpy(), o.dirtiness, rng)
             else:
-                from sklearn.cluster import KMeans  # when used: slow to import
-
                 fit = KMeans(int(self.clusters[r]), n_init=10, random_state=(cfg.seed + client) % 2**31)
                 found = fit.fit(codes[r, : int(self.counts[r])].cpu().numpy()).labels_.astype(np.int64)
             labels[r, ok] = torch.from_numpy(found).to(labels.device)

@@ -223,10 +223,10 @@ _REFERENCES: dict[tuple[Any, ...], Tensor] = {}  # the data's config -> W^cen (i
 
 def centralised_centroids(cfg: ExperimentConfig, points: Tensor) -> Tensor:
     """k-means on the pooled points [P, d] (k-means++, 10 starts, seeded): eq. (12)'s reference W^cen."""
+    from sklearn.cluster import KMeans  # when used: slow to import
+
     key = (cfg.data.model_dump_json(), cfg.seed, cfg.clusters, tuple(points.shape))
     if key not in _REFERENCES:
-        from sklearn.cluster import KMeans  # when used: slow to import
-
         fit = KMeans(cfg.clusters, init="k-means++", n_init=10, random_state=cfg.seed % 2**31)
         _REFERENCES[key] = torch.from_numpy(fit.fit(points.double().numpy()).cluster_centers_).float()
         while len(_REFERENCES) > 16:
@@ -243,6 +243,8 @@ def kmeans_metrics(cfg: ExperimentConfig, data: FederatedData, graph: Graph,
     d of eq. (4), over the reported nodes and the edges between them; point_ari: the mean over nodes of the
     ARI of their points' nearest centroids against the true blobs.
     """
+    from sklearn.metrics import adjusted_rand_score  # when used: slow to import
+
     clients = [int(c) for c in report["clients"]]
     w = torch.tensor(report[CENTROIDS], dtype=torch.float32)  # [n, k, d]
     row = {c: r for r, c in enumerate(clients)}
@@ -259,8 +261,6 @@ def kmeans_metrics(cfg: ExperimentConfig, data: FederatedData, graph: Graph,
     edges = [(row[c], row[m]) for c in clients for m in graph.get(c, ()) if m in row and m > c]
     gtv = sum(float(set_distance(w[a], w[b])) for a, b in edges)  # each undirected edge once, as in (7)
     labels = squared_distances(x, w).argmin(-1)
-    from sklearn.metrics import adjusted_rand_score  # when used: slow to import
-
     ari = float(np.mean([adjusted_rand_score(t.numpy(), p.numpy()) for t, p in zip(y, labels, strict=True)]))
     losses = squared_distances(x, w).min(-1).values.sum(1)  # L_i of (6)
     point_weight = 1.0 if cfg.fedkmeans.data_weight == "one" else 1.0 / x.shape[1]

@@ -128,6 +128,8 @@ def refine(errors: Tensor, clusters: int) -> tuple[Tensor, Tensor]:
 
 def agreement(a: np.ndarray, b: np.ndarray) -> float:
     """Eq. (4): ACC(a, b), the share of samples whose labels agree under the best one-to-one relabelling (Hungarian)."""
+    from scipy.optimize import linear_sum_assignment  # when used: slow to import
+
     a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
     if a.size == 0:
         return 1.0
@@ -135,8 +137,6 @@ def agreement(a: np.ndarray, b: np.ndarray) -> float:
     _, bi = np.unique(b, return_inverse=True)
     counts = np.zeros((ai.max() + 1, bi.max() + 1), dtype=np.int64)
     np.add.at(counts, (ai, bi), 1)
-    from scipy.optimize import linear_sum_assignment  # when used: slow to import
-
     rows, cols = linear_sum_assignment(-counts)
     return float(counts[rows, cols].sum() / a.size)
 

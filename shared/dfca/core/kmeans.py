@@ -43,11 +43,11 @@ def set_distance(w: Tensor, v: Tensor) -> Tensor:
 def kmeans_plus_plus(points: Tensor, k: int, seed: int) -> Tensor:
     """k-means++ seeding of one node's points [m, d] -> [k, d]: scikit-learn's greedy variant (each step keeps the
     best of 2 + log k candidates), on the CPU from `seed`, so every driver and device draws the same."""
+    from sklearn.cluster import kmeans_plusplus  # when used: slow to import
+
     m = points.shape[0]
     if k > m:
         raise ValueError(f"k-means++ needs at least k={k} points, the node has {m}")
-    from sklearn.cluster import kmeans_plusplus  # when used: slow to import
-
     centres, _ = kmeans_plusplus(points.detach().cpu().double().numpy(), k, random_state=seed % 2**31)
     return torch.from_numpy(centres).to(points.device, points.dtype)
 

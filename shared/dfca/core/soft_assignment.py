@@ -66,9 +66,9 @@ def personalised_models(params: Params, shares: Tensor) -> Params:
 def mixture_error(estimated: Tensor, truth: Tensor) -> float:
     """Mean absolute error between estimated and true mixtures [M, k] under the best relabelling of clusters
     (cluster indices are arbitrary: label switching)."""
-    cost = (estimated.unsqueeze(2) - truth.unsqueeze(1)).abs().mean(0)  # [k est, k true]
     from scipy.optimize import linear_sum_assignment  # when used: slow to import
 
+    cost = (estimated.unsqueeze(2) - truth.unsqueeze(1)).abs().mean(0)  # [k est, k true]
     rows, cols = linear_sum_assignment(cost.cpu().numpy())
     return float(cost[rows, cols].mean())
 

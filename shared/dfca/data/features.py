@@ -44,13 +44,13 @@ def blob_centres(k: int, dim: int, rng: np.random.Generator, box: float = 10.0, 
 
 
 def blobs(cfg: ExperimentConfig) -> FederatedData:
+    from sklearn.datasets import make_blobs  # when used: slow to import
+
     data, k, n = cfg.data, cfg.clusters, cfg.data.clients
     rng = seeded_rng(cfg.seed, "blobs")
     centres = blob_centres(k, data.feature_dim, rng)
     std = [HETEROGENEOUS_STD[j % len(HETEROGENEOUS_STD)] for j in range(k)] if data.geometry == "heterogeneous" else 1.0
     per_node = data.train_per_client + data.test_per_client
-    from sklearn.datasets import make_blobs  # when used: slow to import
-
     x, y = make_blobs(n_samples=n * per_node, centers=centres, cluster_std=std,
                       random_state=int(rng.integers(2**31 - 1)), shuffle=True)
     if data.geometry == "anisotropic":
