@@ -87,7 +87,8 @@ def test_the_dashboard_follows_a_run_and_stops_it(rabbitmq_url: str, tmp_path: P
         refused = console_errors(browser)  # reading the log empties it: the refused request is the only entry
         assert all("status of 422" in e for e in refused), refused
 
-        cfg = rotated_mnist(name="ui", rounds=40, dfca={"variant": "paper"}, runtime={"round_timeout": 10.0})
+        # long enough to be running still when the test stops it (40 rounds ended within 9 s once workers got faster)
+        cfg = rotated_mnist(name="ui", rounds=1000, dfca={"variant": "paper"}, runtime={"round_timeout": 10.0})
         browser.execute_script("arguments[0].value = arguments[1]", area, yaml.safe_dump(cfg))
         by_testid(browser, "create-start").click()
         until("the experiment page", lambda: "#/e/ui-" in browser.current_url)
