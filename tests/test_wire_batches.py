@@ -151,7 +151,7 @@ def test_a_batch_decodes_to_what_each_message_decodes_to_alone(dtype: torch.dtyp
     together = decode_messages(messages, "exp1", by_exchange)
     assert agree(together, one_by_one(messages, by_exchange))
     assert all(isinstance(e, Envelope) for e in together)
-    layout = payload_layout(tuple(GOSSIP.items()), str(dtype).removeprefix("torch."))
+    layout = payload_layout(GOSSIP, str(dtype).removeprefix("torch."))
     assert layout is not None and all(len(m[1]) == layout.size for m in messages[::2])
 
 

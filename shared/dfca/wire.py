@@ -29,7 +29,7 @@ from safetensors.torch import load as st_load
 
 from dfca import topics
 from dfca.core.quantize import dequantize, quantize, round_trip, round_trip_into
-from dfca.safetensors_layout import to_bytes
+from dfca.safetensors_layout import DTYPE_NAMES, Layout, layout, to_bytes
 
 WIRE_VERSION = "2"
 HEADER_KEYS = ("experiment", "sender", "round", "exchange", "step", "part", "sha256", "dtype", "version")
@@ -233,17 +233,21 @@ def model_as_received(t: torch.Tensor, model_dtype: torch.dtype, out: torch.Tens
 def body_bytes(spec: Spec, shapes: Mapping[str, tuple[int, ...]], model_dtype: torch.dtype = torch.float32) -> int:
     """The length of `encode_message`'s body for tensors of these shapes (the safetensors header included),
     without the tensors: what the simulator counts as sent for a message the message driver would publish."""
-    entries = [(n, tuple(shapes[n]), str(wire_dtype(s, model_dtype))) for n, s in spec.items()]
+    return wire_layout(spec, shapes, model_dtype).size
+
+
+def wire_layout(spec: Spec, shapes: Mapping[str, tuple[int, ...]], model_dtype: torch.dtype) -> Layout:
+    """The safetensors file `encode_message` writes for tensors of these shapes: each tensor at its wire dtype, and
+    under int8 each model tensor's scales beside its codes."""
+    entries = [(n, DTYPE_NAMES[wire_dtype(s, model_dtype)], tuple(shapes[n])) for n, s in spec.items()]
     if model_dtype == torch.int8:
-        entries += [(n + SCALE, tuple(shapes[n])[:-1], str(torch.float32))
-                    for n, s in spec.items() if s.kind == "model"]
-    return _body_bytes(tuple(sorted(entries)))
+        entries += [(n + SCALE, "F32", tuple(shapes[n])[:-1]) for n, s in spec.items() if s.kind == "model"]
+    return _file_layout(tuple(sorted(entries)))
 
 
 @lru_cache(maxsize=256)
-def _body_bytes(key: tuple[tuple[str, tuple[int, ...], str], ...]) -> int:
-    dtypes = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int8)}
-    return len(serialize({n: torch.empty(shape, dtype=dtypes[d]) for n, shape, d in key}))
+def _file_layout(entries: tuple[tuple[str, str, tuple[int, ...]], ...]) -> Layout:
+    return layout({n: (dtype, shape) for n, dtype, shape in entries})
 
 
 def _int_header(headers: Mapping[str, object], key: str) -> int:

@@ -45,6 +45,7 @@ from dfca.wire import (
     scales_valid,
     sha256,
     wire_dtype,
+    wire_layout,
 )
 
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -116,7 +117,7 @@ def decode_messages(messages: Sequence[Arrival], experiment: str,
             head = read_headers(key, headers, experiment)
             spec = spec_of(head)
             check_checksum(body, headers)
-            file = payload_layout(tuple(spec.items()), str(headers.get("dtype")))
+            file = payload_layout(spec, str(headers.get("dtype")))
             if file is not None and len(body) == file.size and body[:len(file.prefix)] == file.prefix:
                 groups.setdefault(file, []).append((i, head, spec))
                 continue
@@ -139,19 +140,19 @@ def decode_messages(messages: Sequence[Arrival], experiment: str,
     return [r for r in results if r is not None]
 
 
+def payload_layout(spec: Spec, dtype: str) -> Layout | None:
+    """The file `encode_message` writes for a payload of this spec under the model dtype a message's
+    headers name (`wire_layout`); None where there is no one file (ragged tensors) or the dtype is not one of
+    PAYLOAD_DTYPES."""
+    return _payload_layout(tuple(spec.items()), dtype)
+
+
 @lru_cache(maxsize=256)
-def payload_layout(spec: tuple[tuple[str, TensorSpec], ...], dtype: str) -> Layout | None:
-    """The file `encode_message` writes for a payload of this spec (its items) under the model dtype a message's
-    headers name; None where there is no one file (ragged tensors) or the dtype is not one of PAYLOAD_DTYPES."""
+def _payload_layout(spec: tuple[tuple[str, TensorSpec], ...], dtype: str) -> Layout | None:
+    """payload_layout, once per spec and dtype (a message's decode asks for it)."""
     if dtype not in PAYLOAD_DTYPES or any(s.ragged for _, s in spec):
         return None
-    model_dtype = PAYLOAD_DTYPES[dtype]
-    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for n, s in spec:
-        tensors[n] = (DTYPE_NAMES[wire_dtype(s, model_dtype)], tuple(s.shape))
-        if s.kind == "model" and model_dtype == torch.int8:
-            tensors[n + SCALE] = ("F32", tuple(s.shape)[:-1])
-    return layout(tensors)
+    return wire_layout(dict(spec), {n: tuple(s.shape) for n, s in spec}, PAYLOAD_DTYPES[dtype])
 
 
 def _read_together(file: Layout, spec: Spec, bodies: list[bytes], quantized: bool) -> list[WireTensors] | None:
