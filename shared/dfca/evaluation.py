@@ -123,9 +123,14 @@ def nearest_is_identity(per_client: list[Tensor], i: int | Tensor, m: int | Tens
     dots = sum(a @ b.transpose(-1, -2) for a, b in gathered)  # [.., k, k]: <theta_ij, theta_ml>
     norms_i = sum(a.square().sum(-1) for a, _ in gathered)  # [.., k]: ||theta_ij||^2
     norms_m = sum(b.square().sum(-1) for _, b in gathered)
+    return nearest_is_own(norms_i, norms_m, dots)
+
+
+def nearest_is_own(norms_i: Tensor, norms_m: Tensor, dots: Tensor) -> Tensor:
+    """[..] bool from ||theta_ij||^2 [.., k], ||theta_ml||^2 [.., k] and <theta_ij, theta_ml> [.., k, k]: whether
+    each cluster j's nearest (squared L2) at the other side is j."""
     dist = norms_i.unsqueeze(-1) + norms_m.unsqueeze(-2) - 2 * dots  # squared L2, [.., k, k]
-    k = dist.shape[-1]
-    return (dist.argmin(-1) == torch.arange(k, device=dist.device)).all(-1)
+    return (dist.argmin(-1) == torch.arange(dist.shape[-1], device=dist.device)).all(-1)
 
 
 
@@ -158,5 +163,4 @@ def gram_nearest_is_identity(per_client: list[Tensor], src: Tensor, dst: Tensor)
     norms = gram.diagonal().view(-1, k)  # [|U|, k]
     pairs = gram.view(-1, k, clients.numel(), k).permute(0, 2, 1, 3)  # [|U|, |U|, k, k]
     i, m = index[: src.numel()], index[src.numel() :]
-    dist = norms[i].unsqueeze(-1) + norms[m].unsqueeze(-2) - 2 * pairs[i, m]  # squared L2, [E, k, k]
-    return (dist.argmin(-1) == torch.arange(k, device=dist.device)).all(-1)
+    return nearest_is_own(norms[i], norms[m], pairs[i, m])
