@@ -6,7 +6,7 @@
 #   2. with a broker, benchmarks/runtime_benchmark.py on the machine's cores (CPU workers) and on cuda, for the
 #      24-client config;
 #   3. `dfca run` of the demo on cuda and on the CPU, and what the simulator's consensus metrics cost on cuda;
-#   4. with a broker, the runtime benchmark's demo config on the CPU and on cuda;
+#   4. with a broker, the runtime benchmark's demo config on the CPU and on cuda, then both configs again on the CPU;
 #   5. the simulator-round benchmark on cuda;
 #   6. with time left, the scale curve and the paper's scale on cuda.
 #
@@ -96,6 +96,9 @@ within 90 python3 benchmarks/consensus_metrics.py --device cuda --out "$out/cons
 if [ "$broker" = yes ]; then
   bench cpu --demo
   bench cuda --demo
+  # a second run of each on the machine's cores, so its ratios come as a pair
+  bench cpu
+  bench cpu --demo
 fi
 
 step "simulator round on cuda"
