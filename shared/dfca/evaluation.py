@@ -4,29 +4,22 @@ from __future__ import annotations
 
 from typing import Literal
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from dfca.core.label_matching import adjusted_rand_index, matched_agreement
 from dfca.core.params import cluster_views
 from dfca.models import Params
 
 
 def cluster_ari(assigned: Tensor, truth: Tensor) -> float:
-    from sklearn.metrics import adjusted_rand_score  # when used: slow to import
-
-    return float(adjusted_rand_score(truth.numpy(), assigned.numpy()))
+    """The adjusted Rand index of the clients' assignment against their true clusters."""
+    return adjusted_rand_index(truth.cpu().numpy(), assigned.cpu().numpy())
 
 
 def cluster_accuracy(assigned: Tensor, truth: Tensor) -> float:
     """Share of clients whose assignment matches the truth under the best label matching (Hungarian)."""
-    from scipy.optimize import linear_sum_assignment  # when used: slow to import
-
-    k = int(max(assigned.max(), truth.max())) + 1
-    counts = np.zeros((k, k), dtype=np.int64)
-    np.add.at(counts, (assigned.numpy(), truth.numpy()), 1)
-    rows, cols = linear_sum_assignment(-counts)
-    return float(counts[rows, cols].sum() / len(truth))
+    return matched_agreement(assigned.cpu().numpy(), truth.cpu().numpy())
 
 
 def assignment_counts(assigned: Tensor, k: int) -> list[int]:

@@ -55,6 +55,7 @@ from dfca.core.kmeans import (
     set_distance,
     squared_distances,
 )
+from dfca.core.label_matching import adjusted_rand_index
 from dfca.data import FederatedData
 from dfca.models import Params
 from dfca.wire import TensorSpec
@@ -243,8 +244,6 @@ def kmeans_metrics(cfg: ExperimentConfig, data: FederatedData, graph: Graph,
     d of eq. (4), over the reported nodes and the edges between them; point_ari: the mean over nodes of the
     ARI of their points' nearest centroids against the true blobs.
     """
-    from sklearn.metrics import adjusted_rand_score  # when used: slow to import
-
     clients = [int(c) for c in report["clients"]]
     w = torch.tensor(report[CENTROIDS], dtype=torch.float32)  # [n, k, d]
     row = {c: r for r, c in enumerate(clients)}
@@ -261,7 +260,7 @@ def kmeans_metrics(cfg: ExperimentConfig, data: FederatedData, graph: Graph,
     edges = [(row[c], row[m]) for c in clients for m in graph.get(c, ()) if m in row and m > c]
     gtv = sum(float(set_distance(w[a], w[b])) for a, b in edges)  # each undirected edge once, as in (7)
     labels = squared_distances(x, w).argmin(-1)
-    ari = float(np.mean([adjusted_rand_score(t.numpy(), p.numpy()) for t, p in zip(y, labels, strict=True)]))
+    ari = float(np.mean([adjusted_rand_index(t.numpy(), p.numpy()) for t, p in zip(y, labels, strict=True)]))
     losses = squared_distances(x, w).min(-1).values.sum(1)  # L_i of (6)
     point_weight = 1.0 if cfg.fedkmeans.data_weight == "one" else 1.0 / x.shape[1]
     alpha = cfg.fedkmeans.alpha if cfg.algorithm == "fedkmeans" else 0.0

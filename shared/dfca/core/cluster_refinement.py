@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dfca.core.label_matching import matched_agreement
+
 
 def reconstructs(own: Tensor, theirs: Tensor, mask: Tensor, alpha: float, theta: float,
                  scale: str = "relative") -> Tensor:
@@ -128,17 +130,7 @@ def refine(errors: Tensor, clusters: int) -> tuple[Tensor, Tensor]:
 
 def agreement(a: np.ndarray, b: np.ndarray) -> float:
     """Eq. (4): ACC(a, b), the share of samples whose labels agree under the best one-to-one relabelling (Hungarian)."""
-    from scipy.optimize import linear_sum_assignment  # when used: slow to import
-
-    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
-    if a.size == 0:
-        return 1.0
-    _, ai = np.unique(a, return_inverse=True)
-    _, bi = np.unique(b, return_inverse=True)
-    counts = np.zeros((ai.max() + 1, bi.max() + 1), dtype=np.int64)
-    np.add.at(counts, (ai, bi), 1)
-    rows, cols = linear_sum_assignment(-counts)
-    return float(counts[rows, cols].sum() / a.size)
+    return matched_agreement(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64))
 
 
 def dirty_labels(categories: np.ndarray, dirtiness: float, rng: np.random.Generator) -> np.ndarray:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dfca.core.label_matching import min_cost_matching
 from dfca.core.params import gather_clusters, scatter_clusters
 from dfca.models import BatchedModel, Params, client_permutations
 
@@ -66,10 +67,8 @@ def personalised_models(params: Params, shares: Tensor) -> Params:
 def mixture_error(estimated: Tensor, truth: Tensor) -> float:
     """Mean absolute error between estimated and true mixtures [M, k] under the best relabelling of clusters
     (cluster indices are arbitrary: label switching)."""
-    from scipy.optimize import linear_sum_assignment  # when used: slow to import
-
     cost = (estimated.unsqueeze(2) - truth.unsqueeze(1)).abs().mean(0)  # [k est, k true]
-    rows, cols = linear_sum_assignment(cost.cpu().numpy())
+    rows, cols = min_cost_matching(cost.cpu().numpy())
     return float(cost[rows, cols].mean())
 
 
