@@ -20,6 +20,7 @@ from dfca.wire import (
     decode_message,
     encode_message,
     sha256,
+    stacked,
 )
 from dfca.wire_batches import decode_messages, encode_rows, payload_layout
 
@@ -224,3 +225,34 @@ def test_messages_read_together_do_not_share_memory_one_would_change() -> None:
     before = second.tensors["num.w"].clone()
     first.tensors["num.w"].add_(1.0)
     assert torch.equal(second.tensors["num.w"], before)
+
+
+def test_rows_of_a_decoded_batch_stack_to_what_each_message_decodes_to() -> None:
+    """`stacked` takes the codes of messages decoded together from their batch (one slice for consecutive rows, one
+    gather otherwise) instead of stacking them again: the values torch.stack of each message's decoded tensors
+    gives, for every order and subset of the batch, alone or beside a message decoded by itself."""
+    messages = arrivals(GOSSIP, "gossip", torch.int8, rows=5)
+    batch = [e for e in decode_messages(messages, "exp1", by_exchange) if isinstance(e, Envelope)]
+    apart = [e for e in one_by_one(messages, by_exchange) if isinstance(e, Envelope)]
+    assert len(batch) == len(apart) == 5
+    assert all(batch[0].tensors.batch_row(n) is not None for n in ("num.w", "num.b"))  # the batch path is there
+    other = [e for e in decode_messages(arrivals(GOSSIP, "gossip", torch.int8, rows=2, seed=3), "exp1", by_exchange)
+             if isinstance(e, Envelope)]
+    for rows, extra in [([0, 1, 2, 3, 4], []), ([1, 2, 3], []), ([4, 0, 2], []), ([3], []), ([0, 1], other[:1]),
+                        ([2], other)]:
+        payloads = [batch[r].tensors for r in rows] + [e.tensors for e in extra]
+        reference = [apart[r].tensors for r in rows] + [e.tensors for e in extra]
+        for name in GOSSIP:
+            got = stacked(payloads, name)
+            want = torch.stack([p[name] for p in reference])
+            assert got.dtype == want.dtype and torch.equal(got, want), (rows, len(extra), name)
+
+
+def test_a_decoded_batch_row_read_as_floats_stacks_its_floats() -> None:
+    """A payload whose tensor was read (dequantized) is stacked from what was read, as before."""
+    batch = [e for e in decode_messages(arrivals(GOSSIP, "gossip", torch.int8, rows=3), "exp1", by_exchange)
+             if isinstance(e, Envelope)]
+    read = batch[1].tensors["num.w"]
+    assert batch[1].tensors.batch_row("num.w") is None and batch[0].tensors.batch_row("num.w") is not None
+    got = stacked([e.tensors for e in batch], "num.w")
+    assert torch.equal(got[1], read) and torch.equal(got[0], batch[0].tensors["num.w"])

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from safetensors.torch import load as st_load
@@ -76,6 +76,14 @@ class Envelope:
 Codes = tuple[torch.Tensor, torch.Tensor]  # a model tensor's int8 codes and float32 scales on the CPU (core.quantize)
 
 
+class BatchRow(NamedTuple):
+    """Row `row` of the codes [B, ...] and scales [B, ...] of B messages decoded together (dfca.wire_batches)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    row: int
+
+
 class WireTensors(Mapping[str, torch.Tensor]):
     """A payload as it came off the wire (or as a sender's own copy of what it sent): model tensors that travelled
     as 8-bit codes are kept as (codes, scale) and dequantized when first read. A driver stacking many messages
@@ -85,19 +93,28 @@ class WireTensors(Mapping[str, torch.Tensor]):
     def __init__(self) -> None:
         self._values: dict[str, torch.Tensor] = {}
         self._codes: dict[str, Codes] = {}
+        self._rows: dict[str, BatchRow] = {}
         self._names: list[str] = []
 
     def put(self, name: str, value: torch.Tensor) -> None:
         self._names.append(name)
         self._values[name] = value
 
-    def put_codes(self, name: str, codes: torch.Tensor, scale: torch.Tensor) -> None:
+    def put_codes(self, name: str, codes: torch.Tensor, scale: torch.Tensor, row: BatchRow | None = None) -> None:
+        """`row`, where the codes were decoded with other messages': the batch's codes and scales [B, ...] and this
+        message's row of them (codes, scale are that row), so `stacked` can take the batch's rows at once."""
         self._names.append(name)
         self._codes[name] = (codes, scale)
+        if row is not None:
+            self._rows[name] = row
 
     def codes(self, name: str) -> Codes | None:
         """(codes, scale) of a model tensor that has not been read as floats yet; None otherwise."""
         return self._codes.get(name) if name not in self._values else None
+
+    def batch_row(self, name: str) -> BatchRow | None:
+        """The decoded batch this tensor's codes are a row of, where they are one and have not been read as floats."""
+        return self._rows.get(name) if name not in self._values else None
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape (the codes have the float tensor's shape): nothing is dequantized for it."""
@@ -124,7 +141,16 @@ def shape_of(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
 
 def stacked(payloads: list[Mapping[str, torch.Tensor]], name: str) -> torch.Tensor:
     """torch.stack of the payloads' `name` tensors, value for value; where all of them hold 8-bit codes, the codes
-    are stacked and dequantized in one pass."""
+    are stacked and dequantized in one pass, and where those are rows of one decoded batch, taken from it as one
+    slice (or one gather) instead of stacking them again."""
+    rows = [p.batch_row(name) if isinstance(p, WireTensors) else None for p in payloads]
+    first = rows[0]
+    if first is not None and all(r is not None and r.codes is first.codes for r in rows):
+        taken = [r.row for r in rows if r is not None]
+        if taken == list(range(taken[0], taken[0] + len(taken))):
+            return dequantize(first.codes[taken[0]:taken[0] + len(taken)], first.scales[taken[0]:taken[0] + len(taken)])
+        index = torch.tensor(taken)
+        return dequantize(first.codes.index_select(0, index), first.scales.index_select(0, index))
     held = [p.codes(name) if isinstance(p, WireTensors) else None for p in payloads]
     if all(h is not None for h in held):
         return dequantize(torch.stack([h[0] for h in held if h]), torch.stack([h[1] for h in held if h]))

@@ -30,6 +30,7 @@ from dfca.safetensors_layout import DTYPE_NAMES, Layout, byte_view, layout
 from dfca.wire import (
     PAYLOAD_DTYPES,
     SCALE,
+    BatchRow,
     Codes,
     Envelope,
     PayloadRejected,
@@ -166,12 +167,12 @@ def _read_together(file: Layout, spec: Spec, bodies: list[bytes], quantized: boo
     views = {e.name: buffer[:, e.start:e.end].view(TORCH_DTYPES[e.dtype]).reshape(count, *e.shape)
              for e in file.entries}
     values: dict[str, tuple[torch.Tensor, ...]] = {}
-    codes: dict[str, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
+    codes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> the batch's codes [B, ...], scales [B, ...]
     scales = []
     for name, s in spec.items():
         t = views[name]
         if s.kind == "model" and quantized:
-            codes[name] = (t.unbind(0), views[name + SCALE].unbind(0))
+            codes[name] = (t, views[name + SCALE])
             scales.append(views[name + SCALE].reshape(count, -1))
             continue
         if s.kind != "int64":
@@ -184,15 +185,15 @@ def _read_together(file: Layout, spec: Spec, bodies: list[bytes], quantized: boo
     return [_payload(spec, codes, values, m) for m in range(count)]
 
 
-RowCodes = Mapping[str, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]  # name -> each row's codes, scales
-
-
-def _payload(spec: Spec, codes: RowCodes, values: Mapping[str, Sequence[torch.Tensor]], row: int) -> WireTensors:
-    """Row `row`'s payload, in the spec's order: its codes and scales where a tensor has them, else its values."""
+def _payload(spec: Spec, codes: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+             values: Mapping[str, Sequence[torch.Tensor]], row: int) -> WireTensors:
+    """Row `row`'s payload, in the spec's order: its codes and scales where a tensor has them (with the batch they
+    are a row of, for `stacked`), else its values."""
     payload = WireTensors()
     for name in spec:
         if name in codes:
-            payload.put_codes(name, codes[name][0][row], codes[name][1][row])
+            batch, scales = codes[name]
+            payload.put_codes(name, batch[row], scales[row], BatchRow(batch, scales, row))
         else:
             payload.put(name, values[name][row])
     return payload
