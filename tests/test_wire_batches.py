@@ -256,3 +256,23 @@ def test_a_decoded_batch_row_read_as_floats_stacks_its_floats() -> None:
     assert batch[1].tensors.batch_row("num.w") is None and batch[0].tensors.batch_row("num.w") is not None
     got = stacked([e.tensors for e in batch], "num.w")
     assert torch.equal(got[1], read) and torch.equal(got[0], batch[0].tensors["num.w"])
+
+
+def test_senders_copies_of_an_outbox_stack_to_what_their_messages_decode_to() -> None:
+    """The sender's copies `encode_rows` makes for hosted neighbours are rows of the outbox's codes: stacked alone
+    (a worker whose every other sender was cut off folds only those) or beside decoded messages, the values the
+    messages decode to."""
+    envelopes, tensors = heads("gossip", 4), outbox(GOSSIP, 4)
+    encoded = encode_rows(envelopes, GOSSIP, tensors, torch.int8, received=[True] * 4)
+    copies = [c for _, _, c in encoded]
+    assert all(isinstance(c, WireTensors) for c in copies)
+    decoded = [e for e in one_by_one([(key_of(h), b, hd) for h, (b, hd, _) in zip(envelopes, encoded, strict=True)],
+                                     by_exchange) if isinstance(e, Envelope)]
+    other = [e for e in decode_messages(arrivals(GOSSIP, "gossip", torch.int8, rows=2, seed=3), "exp1", by_exchange)
+             if isinstance(e, Envelope)]
+    for rows, extra in [([0, 1, 2, 3], []), ([3, 1], []), ([2], other)]:
+        payloads = [copies[r] for r in rows] + [e.tensors for e in extra]
+        reference = [decoded[r].tensors for r in rows] + [e.tensors for e in extra]
+        for name in GOSSIP:
+            got = stacked([p for p in payloads if p is not None], name)
+            assert torch.equal(got, torch.stack([p[name] for p in reference])), (rows, name)

@@ -80,7 +80,7 @@ def encode_rows(heads: Sequence[Envelope], spec: Spec, tensors: Mapping[str, tor
     file = layout({n: (DTYPE_NAMES[w.dtype], tuple(w.shape[1:])) for n, w in wire.items()})
     data = [byte_view(wire[e.name]).reshape(rows, -1) for e in file.entries]  # [S, bytes] views
     sent_copies = {n: t.unbind(0) for n, t in copies.items()}
-    code_rows = {n: (wire[n].unbind(0), wire[n + SCALE].unbind(0)) for n in spec if n + SCALE in wire}
+    code_rows = {n: (wire[n], wire[n + SCALE]) for n in spec if n + SCALE in wire}  # [S, ...] each
     out: list[Encoded] = []
     for s, head in enumerate(heads):
         body = b"".join([file.prefix, *(d[s] for d in data)])
