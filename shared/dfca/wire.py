@@ -100,13 +100,15 @@ class WireTensors(Mapping[str, torch.Tensor]):
         self._names.append(name)
         self._values[name] = value
 
-    def put_codes(self, name: str, codes: torch.Tensor, scale: torch.Tensor, row: BatchRow | None = None) -> None:
-        """`row`, where the codes were decoded with other messages': the batch's codes and scales [B, ...] and this
-        message's row of them (codes, scale are that row), so `stacked` can take the batch's rows at once."""
+    def put_codes(self, name: str, codes: torch.Tensor, scale: torch.Tensor) -> None:
         self._names.append(name)
         self._codes[name] = (codes, scale)
-        if row is not None:
-            self._rows[name] = row
+
+    def put_row(self, name: str, row: BatchRow) -> None:
+        """Codes that are a row of a batch's (messages decoded together, an outbox's rows), kept with their batch so
+        `stacked` can take the batch's rows at once."""
+        self.put_codes(name, row.codes[row.row], row.scales[row.row])
+        self._rows[name] = row
 
     def codes(self, name: str) -> Codes | None:
         """(codes, scale) of a model tensor that has not been read as floats yet; None otherwise."""
@@ -148,7 +150,8 @@ def stacked(payloads: list[Mapping[str, torch.Tensor]], name: str) -> torch.Tens
     if first is not None and all(r is not None and r.codes is first.codes for r in rows):
         taken = [r.row for r in rows if r is not None]
         if taken == list(range(taken[0], taken[0] + len(taken))):
-            return dequantize(first.codes[taken[0]:taken[0] + len(taken)], first.scales[taken[0]:taken[0] + len(taken)])
+            run = slice(taken[0], taken[0] + len(taken))
+            return dequantize(first.codes[run], first.scales[run])
         index = torch.tensor(taken)
         return dequantize(first.codes.index_select(0, index), first.scales.index_select(0, index))
     held = [p.codes(name) if isinstance(p, WireTensors) else None for p in payloads]

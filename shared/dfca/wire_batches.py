@@ -192,8 +192,7 @@ def _payload(spec: Spec, codes: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
     payload = WireTensors()
     for name in spec:
         if name in codes:
-            batch, scales = codes[name]
-            payload.put_codes(name, batch[row], scales[row], BatchRow(batch, scales, row))
+            payload.put_row(name, BatchRow(*codes[name], row))
         else:
             payload.put(name, values[name][row])
     return payload
