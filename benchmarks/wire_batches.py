@@ -7,8 +7,10 @@ MLP (k=2 clusters, 8-bit codes, the default payload dtype):
   did before) against `encode_rows`, quantizing included in both;
 - decoding 16 messages: `decode_message` one at a time against `decode_messages`, then stacking and dequantizing
   them for the fold (`wire.stacked`, as the driver's inbox does) in both;
-each the median of `--repeats` timings of `--loops` calls, alternating the two ways; the checksum's sha256 alone is
-timed beside them (the part of a message's cost no batch shares). Both ways must give the same bytes and values, or
+each the median of `--repeats` timings of `--loops` calls, alternating the two ways; and stacking and dequantizing
+alone, the inbox `stacked` builds from the 16 payloads decoded one at a time (each message's codes stacked again)
+against those decoded together (the batch's rows taken at once); the checksum's sha256 alone is timed beside them
+(the part of a message's cost no batch shares). Both ways must give the same bytes and values, or
 the run fails. Appends one line per case, with the commit and the machine's load, to --out.
 
     python benchmarks/wire_batches.py [--cases runtime,demo] [--rows 8] [--out FILE]
@@ -104,13 +106,19 @@ def measure(case: str, rows: int, repeats: int, loops: int) -> dict[str, Any]:
 
     if not all(torch.equal(a, b) for a, b in zip(decode_alone(), decode_together(), strict=True)):
         raise AssertionError(f"{case}: decode_messages gave other values than decode_message")
+    decoded_alone = [decode_message(k, b, h, "bench", lambda _: spec) for k, b, h in arrived]
+    decoded_together = [e for e in decode_messages(arrived, "bench", lambda _: spec) if isinstance(e, Envelope)]
     encode = timings({"alone": one_at_a_time, "together": together}, repeats, loops)
     decode = timings({"alone": decode_alone, "together": decode_together}, repeats, loops)
+    stack = timings({"alone": lambda: [stacked([e.tensors for e in decoded_alone], n) for n in spec],
+                     "together": lambda: [stacked([e.tensors for e in decoded_together], n) for n in spec]},
+                    repeats, loops)
     body = arrived[0][1]
     checksum = timings({"sha256": lambda: [sha256(b) for _, b, _ in arrived]}, repeats, loops)["sha256"]
     return {"case": case, "hidden": HIDDEN[case], "body_bytes": len(body), "rows": rows, "arrivals": ARRIVALS,
             "encode_seconds_per_message": {k: v / rows for k, v in encode.items()},
             "decode_seconds_per_message": {k: v / ARRIVALS for k, v in decode.items()},
+            "stack_seconds_per_message": {k: v / ARRIVALS for k, v in stack.items()},
             "sha256_seconds_per_message": checksum / ARRIVALS}
 
 
@@ -129,13 +137,14 @@ def main() -> None:
     print(f"microseconds per message, medians of {args.repeats} x {args.loops} calls, one thread; 8-bit gossip "
           f"payloads, k={K}; an outbox of {args.rows} encoded, {ARRIVALS} arrivals decoded, stacked and dequantized:\n")
     print("| case | body | encode: one at a time | together | ratio | decode: one at a time | together | ratio | "
-          "sha256 alone |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "of which stacking: one at a time | together | ratio | sha256 alone |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        e, d = r["encode_seconds_per_message"], r["decode_seconds_per_message"]
+        e, d, st = r["encode_seconds_per_message"], r["decode_seconds_per_message"], r["stack_seconds_per_message"]
         print(f"| {r['case']} | {r['body_bytes'] / 1e3:.0f} kB | {e['alone'] * 1e6:.0f} | {e['together'] * 1e6:.0f} | "
               f"{e['alone'] / e['together']:.2f}x | {d['alone'] * 1e6:.0f} | {d['together'] * 1e6:.0f} | "
-              f"{d['alone'] / d['together']:.2f}x | {r['sha256_seconds_per_message'] * 1e6:.0f} |")
+              f"{d['alone'] / d['together']:.2f}x | {st['alone'] * 1e6:.0f} | {st['together'] * 1e6:.0f} | "
+              f"{st['alone'] / st['together']:.2f}x | {r['sha256_seconds_per_message'] * 1e6:.0f} |")
     print(f"\nappended to {args.out} (commit {stamp['commit']}, load {load_before:.2f} -> {stamp['load_after']:.2f})")
 
 
