@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from resumable_runs import RESULTS, append_stamped
+from resumable_runs import RESULTS, append_stamped, commit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,8 @@ def head_of(checkout: Path) -> str:
 def one_run(checkout: Path, device: str) -> dict[str, Any]:
     """`dfca run` of the demo from `checkout`'s code in a fresh interpreter, and what its outputs say."""
     with tempfile.TemporaryDirectory() as out:
-        env = {**os.environ, "PYTHONPATH": f"{checkout / 'shared'}{os.pathsep}{checkout}"}
+        paths = [str(checkout / "shared"), str(checkout), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # the checkout's code first
         began = time.perf_counter()
         subprocess.run([sys.executable, "-m", "dfca.cli", "run", "--out", out, "--force", "--set", f"device={device}"],
                        cwd=checkout, env=env, capture_output=True, text=True, check=True)
@@ -63,7 +64,7 @@ def main() -> None:
     if args.base is not None and not (args.base / "shared" / "dfca").is_dir():
         parser.error(f"--base {args.base}: not a checkout of this project (no shared/dfca)")
     checkouts = ([("base", args.base.resolve(), head_of(args.base))] if args.base is not None else []) + [
-        ("this", REPO, head_of(REPO))]
+        ("this", REPO, commit())]
     load_before = os.getloadavg()[0]
     rows = [{"checkout": name, "code": code, "pair": i, **one_run(path, args.device)}
             for i in range(args.repeats) for name, path, code in checkouts]
