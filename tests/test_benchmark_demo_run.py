@@ -14,8 +14,8 @@ def test_the_benchmark_runs_the_demo_and_records_its_rounds(tmp_path: Path) -> N
     assert (row["checkout"], row["pair"], row["device"]) == ("this", 0, "cpu")
     assert row["code"].split("+")[0] == row["commit"].split("+")[0]  # the code that ran is this checkout's
     assert row["test_accuracy"] > 0.85 and row["cluster_ari"] == 1.0  # the demo recovers its two clusters
-    assert row["first_round_seconds"] > 0 and row["later_rounds_seconds"] > 0
-    assert row["process_seconds"] > row["wall_seconds"]  # the process also imports and writes its outputs
+    assert all(row[k] > 0 for k in ("first_round_seconds", "later_rounds_seconds", "seconds_per_round",
+                                      "wall_seconds", "process_seconds"))
     assert f"| {row['code']} |" in printed
 
 
