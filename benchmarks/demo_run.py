@@ -28,14 +28,6 @@ from resumable_runs import RESULTS, append_stamped, commit
 REPO = Path(__file__).resolve().parents[1]
 
 
-def head_of(checkout: Path) -> str:
-    """The checkout's short commit, "+changes" where its tracked files differ from it."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=checkout, capture_output=True, text=True, check=True).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "--untracked-files=no")
-                                                  else "")
-
-
 def one_run(checkout: Path, device: str) -> dict[str, Any]:
     """`dfca run` of the demo from `checkout`'s code in a fresh interpreter, and what its outputs say."""
     with tempfile.TemporaryDirectory() as out:
@@ -63,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.base is not None and not (args.base / "shared" / "dfca").is_dir():
         parser.error(f"--base {args.base}: not a checkout of this project (no shared/dfca)")
-    checkouts = ([("base", args.base.resolve(), head_of(args.base))] if args.base is not None else []) + [
+    checkouts = ([("base", args.base.resolve(), commit(args.base.resolve()))] if args.base is not None else []) + [
         ("this", REPO, commit())]
     load_before = os.getloadavg()[0]
     rows = [{"checkout": name, "code": code, "pair": i, **one_run(path, args.device)}

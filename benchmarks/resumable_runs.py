@@ -61,12 +61,13 @@ def one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def commit() -> str:
+def commit(checkout: Path | None = None) -> str:
     """HEAD's short hash, with "+changes" when tracked files differ from it (what was measured is not that commit;
     the raw results under docs/results/, which benchmarks append to, do not count);
-    in a copy whose git history may be stale (a GPU machine's), DFCA_COMMIT names the commit it was copied from."""
-    here = Path(__file__).resolve().parent
-    if os.environ.get("DFCA_COMMIT"):
+    in a copy whose git history may be stale (a GPU machine's), DFCA_COMMIT names the commit it was copied from.
+    `checkout`: another checkout's (a baseline's worktree) instead of this one's; DFCA_COMMIT names this one only."""
+    here = checkout if checkout is not None else Path(__file__).resolve().parent
+    if checkout is None and os.environ.get("DFCA_COMMIT"):
         return os.environ["DFCA_COMMIT"] + " (copy)"
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
