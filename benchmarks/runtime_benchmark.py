@@ -156,6 +156,24 @@ def drivers_floor(cfg: dict[str, Any], workers: int = 3) -> DriversFloor:
                         {p: (after_cpu[p] - before_cpu[p]) / (rounds - 1) for p in PHASES})
 
 
+class CoresBound(NamedTuple):
+    least_round: float  # seconds: the runtime's CPU a round spread perfectly over the machine's cores
+    least_ratio: float  # that against the simulator's same-work round: no latency cut gets a run below it
+    budget: float  # CPU-s a round the goal allows the whole runtime (workers, services, broker) on these cores
+    drivers_share: float  # the drivers alone's CPU a round, as a fraction of that budget (>= 1: out of reach)
+
+
+def cores_bound(runtime_cpu: float, drivers_cpu: float, simulator_round: float, cores: int,
+                goal: float = 1.25) -> CoresBound:
+    """What the machine's cores allow whatever the latency of an exchange: a round that uses `runtime_cpu` CPU-s
+    on `cores` cores lasts at least runtime_cpu / cores; within `goal` x the simulator's `simulator_round` the whole
+    runtime may use at most goal x simulator_round x cores CPU-s a round, which the message drivers alone
+    (`drivers_cpu`, no broker, AMQP client or service) must fit in with room for the rest."""
+    least = runtime_cpu / cores
+    budget = goal * simulator_round * cores
+    return CoresBound(least, least / simulator_round, budget, drivers_cpu / budget)
+
+
 def round_kind(schedule: RoundSchedule, t: int) -> str:
     """seeding, gossip (a training round with consensus steps) or merge (a training round without)."""
     if schedule.phase(t) == "seeding":
@@ -642,6 +660,7 @@ def main() -> None:
                                      "simulator_one_thread": {"round_seconds": sim1_s,
                                                               "cpu_seconds_per_round": sim1_cpu}},
                       seconds_by_schedule_phase={"runtime": by_phase, "simulator": sim_by_phase})
+        record["cores_bound"] = cores_bound(sum(cpu.values()), alone.cpu, sim_s, os.cpu_count() or 1)._asdict()
     for hidden in () if args.skip_exchange else (64, 200):
         runtime_rate, raw_rate, size = exchange_rates(args.broker, hidden, args.messages)
         rows.append((f"model exchange MB/s ({size / 1e3:.0f} kB payloads)", f"{runtime_rate:.1f}",
@@ -699,6 +718,13 @@ def main() -> None:
         print(f"| the workers in all | {record['cpu_seconds_per_round']['workers']:.4f} | "
               f"{floor['cpu_seconds_per_round']:.4f} | "
               f"{record['cpu_seconds_per_round']['workers'] / floor['cpu_seconds_per_round']:.2f}x |")
+    if (bound := record.get("cores_bound")) is not None:
+        print(f"\nwhat {record['cores']} cores allow: the runtime's {sum(cpu.values()):.3f} CPU-s a round spread "
+              f"perfectly over them take {bound['least_round']:.3f} s, {bound['least_ratio']:.2f}x the simulator's "
+              f"same-work round, whatever an exchange's latency; 1.25x allows the whole runtime "
+              f"{bound['budget']:.3f} CPU-s a round, and the drivers alone use {bound['drivers_share']:.0%} of that"
+              + (" (out of reach unless the drivers alone get cheaper than that)" if bound["drivers_share"] >= 1
+                 else ""))
     if floor is not None:
         one = floor["simulator_one_thread"]
         print(f"\nthe drivers alone (3 message drivers in one process and thread, lockstep, in-memory transport: no "

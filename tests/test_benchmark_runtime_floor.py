@@ -19,7 +19,13 @@ from dfca.transport import InMemoryBroker, InMemoryTransport
 from dfca.wire import Envelope, encode_message
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from runtime_benchmark import bench_config, drivers_floor, gossip_body_bytes, simulator_round_seconds  # noqa: E402
+from runtime_benchmark import (  # noqa: E402
+    bench_config,
+    cores_bound,
+    drivers_floor,
+    gossip_body_bytes,
+    simulator_round_seconds,
+)
 
 
 def test_the_drivers_floor_times_the_simulators_run_and_every_phase_of_it() -> None:
@@ -66,3 +72,16 @@ def test_the_simulators_baseline_is_its_round_less_the_consensus_metrics_no_runt
     assert 0 < sim.same_work < sim.seconds and sim.accuracy > 0.5
     assert sim.by_kind and all(v > 0 for v in sim.by_kind.values())
     assert sim.by_kind.keys() <= {"seeding", "merge", "gossip"}
+
+
+def test_the_cores_bound_is_the_runtimes_cpu_spread_over_the_cores_and_the_goals_cpu_budget() -> None:
+    # sitting M's first 24-client run: 0.273 CPU-s a round on 2 cores, the drivers alone 0.100, the simulator 0.029 s
+    bound = cores_bound(runtime_cpu=0.273, drivers_cpu=0.100, simulator_round=0.029, cores=2)
+    assert bound.least_round == pytest.approx(0.1365)
+    assert bound.least_ratio == pytest.approx(0.1365 / 0.029)
+    assert bound.budget == pytest.approx(1.25 * 0.029 * 2)
+    assert bound.drivers_share == pytest.approx(0.100 / 0.0725)
+    # 16 cores: the same CPU would allow 0.59x, and the drivers would fit the budget 7 times over
+    wide = cores_bound(runtime_cpu=0.273, drivers_cpu=0.100, simulator_round=0.029, cores=16)
+    assert wide.least_ratio == pytest.approx(0.273 / 16 / 0.029)
+    assert wide.drivers_share == pytest.approx(0.100 / (1.25 * 0.029 * 16))
