@@ -227,6 +227,7 @@ def test_submit_wait_status_logs_and_results_on_a_real_stack(rabbitmq_url: str, 
 
         listed = runner.invoke(app, ["status"])
         assert listed.exit_code == 0 and experiment in listed.output and "completed" in listed.output
+        assert "3 of 3 workers known (0, 1, 2), no aggregator" in " ".join(listed.output.split())
         one = json.loads(runner.invoke(app, ["status", experiment]).output)
         assert one["experiment"]["status"] == "completed" and one["summary"]["test_accuracy"] > 0.6
         logged = runner.invoke(app, ["logs", experiment, "--no-follow"])

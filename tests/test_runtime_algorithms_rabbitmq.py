@@ -38,9 +38,19 @@ ARI_BAR = 0.95
 
 
 @pytest.fixture(scope="module")
-def stack(rabbitmq_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def shared_stack(rabbitmq_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with running_stack(tmp_path_factory.mktemp("algorithms"), rabbitmq_url, WORKERS, aggregator=True) as running:
         yield running
+
+
+@pytest.fixture
+def stack(shared_stack: Stack) -> Stack:
+    """The shared stack, whole again: tests kill workers and the aggregator, which the supervisor restarts; each
+    test starts once every process is ready, that is, known to the topology service (`dfca up`'s wait)."""
+    shared_stack.wait_ready(timeout=120)
+    known = Api.of(shared_stack).topology.get("/deployment").json()
+    assert known["aggregator"] and known["workers_present"] == list(range(WORKERS)), known
+    return shared_stack
 
 
 def run(stack: Stack, cfg: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any]]:

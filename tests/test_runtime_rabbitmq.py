@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,14 +120,21 @@ def test_end_to_end_over_rest_with_bad_input(rabbitmq_url: str, tmp_path: Path) 
         [sys.executable, "-m", "dfca.cli", "up", "--workers", "3", "--topology-port", str(topology_port),
          "--metrics-port", str(metrics_port), "--worker-port-base", str(free_port_block(3)),
          "--state-dir", str(tmp_path), "--log-files"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    assert up.stdout is not None
+    printed: list[str] = []  # dfca up's output, read as it comes
+    reader = threading.Thread(target=printed.extend, args=(iter(up.stdout.readline, ""),), daemon=True)
+    reader.start()
     api = Api(f"http://127.0.0.1:{topology_port}", f"http://127.0.0.1:{metrics_port}")
     try:
         deadline = time.monotonic() + 120
-        while not ready(api):
-            assert up.poll() is None and time.monotonic() < deadline, "dfca up did not come up"
-            time.sleep(0.5)
+        while not any(line.startswith("dfca up: ready:") for line in list(printed)):  # what a user waits for
+            assert up.poll() is None and time.monotonic() < deadline, f"dfca up did not come up: {printed}"
+            time.sleep(0.2)
+        assert ready(api)  # the ready line comes once every process is known to the topology service
+        known = api.topology.get("/deployment").json()
+        assert known["workers"] == 3 and known["workers_present"] == [0, 1, 2], known
 
         # the REST contract: 401 without the token, 422 naming the field, 404 for an unknown id
         anonymous = httpx.post(f"http://127.0.0.1:{topology_port}/experiments", json=rotated_mnist())
@@ -181,10 +189,12 @@ def test_end_to_end_over_rest_with_bad_input(rabbitmq_url: str, tmp_path: Path) 
     finally:
         up.send_signal(signal.SIGTERM)
         try:
-            output = up.communicate(timeout=60)[0].decode(errors="replace")
+            up.wait(timeout=60)
         except subprocess.TimeoutExpired:
             up.kill()
-            output = up.communicate()[0].decode(errors="replace")
+            up.wait()
+        reader.join(10)
+        output = "".join(printed)
         if up.returncode != 0:
             print(output[-3000:], log_tails(tmp_path))
     assert up.returncode == 0, "dfca up did not stop cleanly on SIGTERM"

@@ -1,20 +1,28 @@
 """`:start` refuses what cannot run, with a message that says what to do; a finished experiment keeps its round
-across a restart of the topology service; the topology names the workers' clients `worker_clients`."""
+across a restart of the topology service; the topology names the workers' clients `worker_clients`; GET /deployment
+lists the workers and the aggregator heard from, and the aggregator is ready only once listed there."""
 
 from __future__ import annotations
 
+import time
+import uuid
 from pathlib import Path
 
+import httpx
 import networkx as nx
 import pytest
 from fastapi.testclient import TestClient
+from runtime_fixtures import free_port
 from test_runtime_control_plane import AUTH, TOKEN, small
 
 from dfca.config import ExperimentConfig
-from dfca.runtime.coordinator import Coordinator
-from dfca.runtime.experiments import ExperimentRecord
+from dfca.runtime.coordinator import PRESENT_FOR_S, Coordinator
+from dfca.runtime.experiments import HEARTBEAT_S, ExperimentRecord
 from dfca.runtime.messages import PresenceEvent, WorkerEvent
-from dfca.transport import InMemoryBroker, InMemoryTransport
+from dfca.runtime.registration import known_to_topology
+from dfca.transport import InMemoryBroker, InMemoryTransport, connect_transport
+from services.aggregator.main import Aggregator
+from services.aggregator.main import create_app as create_aggregator_app
 from services.topology.main import create_app
 
 
@@ -79,3 +87,61 @@ def test_the_topology_service_restores_finished_rounds_from_its_state_folder(tmp
         first._changed(record, announce=False)
     second = coordinator(workers=workers, state_dir=tmp_path)
     assert second.get(record.id).public()["round"] == 3
+
+
+def test_the_deployment_lists_the_workers_and_aggregator_heard_from_recently() -> None:
+    now = [1000.0]
+    c = Coordinator(InMemoryTransport(InMemoryBroker()), "dtest", workers=3, clock=lambda: now[0])
+    c.open()
+    with TestClient(create_app(c, TOKEN, "memory://")) as client:
+        view = client.get("/deployment").json()
+        assert view == {"deployment": "dtest", "workers": 3, "workers_present": [], "aggregator": False}
+        assert not known_to_topology(client, "http://127.0.0.1:9", "aggregator")
+        for ordinal in (2, 0):
+            c.on_event(PresenceEvent(deployment="dtest", worker=ordinal, workers=3))
+        c.on_event(PresenceEvent(role="aggregator", deployment="dtest", worker=0, workers=1))
+        c.on_event(PresenceEvent(deployment="other", worker=1, workers=3))  # another deployment's worker
+        view = client.get("/deployment").json()
+        assert view["workers_present"] == [0, 2] and view["aggregator"] is True
+        assert known_to_topology(client, "http://127.0.0.1:9", "aggregator")
+        assert known_to_topology(client, "http://127.0.0.1:9", "worker", 2)
+        assert not known_to_topology(client, "http://127.0.0.1:9", "worker", 1)
+        now[0] += PRESENT_FOR_S + 0.1  # silent since: no longer present
+        view = client.get("/deployment").json()
+        assert view["workers_present"] == [] and view["aggregator"] is False
+        assert not known_to_topology(client, "http://127.0.0.1:9", "worker", 2)
+
+
+def test_an_unreachable_topology_service_knows_nobody() -> None:
+    with httpx.Client(timeout=2.0) as http:
+        assert not known_to_topology(http, f"http://127.0.0.1:{free_port()}", "aggregator")
+        assert known_to_topology(http, None, "worker", 0)  # on an in-memory bus with no topology URL
+
+
+def test_the_aggregator_is_ready_only_once_the_topology_service_knows_it() -> None:
+    """Its broker reachable and its consumer running, an aggregator whose announcement the topology service has not
+    heard (here: announced before the service's event queue existed) answers 503, and IFCA is refused; once the
+    service hears the next announcement, /readyz passes and IFCA starts, with no other step between."""
+    bus = f"memory://ready-{uuid.uuid4().hex[:8]}"
+    coordinator = Coordinator(connect_transport(bus), "dready", workers=3)
+    topology = TestClient(create_app(coordinator, TOKEN, bus))
+    aggregator = Aggregator("dready", bus, f"http://127.0.0.1:{free_port()}")  # running_specs: refused, retried
+    aggregator._http = topology  # its readiness question reaches the in-process topology service
+    try:
+        aggregator.open()  # announces itself at once: nobody consumes the events yet
+        with TestClient(create_aggregator_app(aggregator, bus)) as health:
+            refused = health.get("/readyz")
+            assert refused.status_code == 503 and refused.json() == {"status": "unavailable", "broker": True,
+                                                                     "service": False}
+            coordinator.open()
+            experiment = topology.post("/experiments", json=small(algorithm="ifca"), headers=AUTH).json()["id"]
+            assert topology.post(f"/experiments/{experiment}:start", headers=AUTH).status_code == 409
+            deadline = time.monotonic() + 5 * HEARTBEAT_S
+            while health.get("/readyz").status_code != 200:
+                assert time.monotonic() < deadline, "the topology service never heard the aggregator"
+                time.sleep(0.1)
+            assert topology.get("/deployment").json()["aggregator"] is True
+            assert topology.post(f"/experiments/{experiment}:start", headers=AUTH).status_code == 200
+    finally:
+        aggregator.close()
+        coordinator.close()

@@ -1,6 +1,7 @@
 """The optional aggregator: central roles (dfca.runtime.central_roles) on the same broker, on DFCA_DEVICE.
 
-Health on DFCA_PORT (default 8083): /livez, /readyz; GET /status lists the roles running. Roles checkpoint to
+Health on DFCA_PORT (default 8083): /livez, /readyz (broker reachable, control consumer running, and the topology
+service knows this aggregator: dfca.runtime.registration); GET /status lists the roles running. Roles checkpoint to
 DFCA_CHECKPOINT_DIR; on start the aggregator asks the topology service (DFCA_TOPOLOGY_URL) which experiments
 are running and resumes the roles of those that have one.
 """
@@ -30,9 +31,10 @@ from dfca.runtime.messages import (
     decode_control,
     encode,
 )
+from dfca.runtime.registration import known_to_topology
 from dfca.runtime.structured_logs import configure_logging
 from dfca.runtime.worker_agent import running_specs
-from dfca.settings import ServiceSettings
+from dfca.settings import ServiceSettings, service_auth
 from dfca.topics import aggregator_control_queue, deployment_tag
 from dfca.transport import connect_transport
 from dfca.transport.broker_setup import bind_to_deployment, ensure_broker_topology
@@ -54,6 +56,7 @@ class Aggregator:
         self.roles: dict[str, tuple[ServerRole, threading.Event, threading.Thread]] = {}
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.consumer.run_forever, args=(self.stopping,), daemon=True)
+        self._http = httpx.Client(timeout=2.0, headers=service_auth())  # readiness: does the topology know us?
 
     def open(self) -> None:
         ensure_broker_topology(self.transport)
@@ -93,6 +96,9 @@ class Aggregator:
                 log.info("topology service not reachable yet (%s); retrying", err)
                 self.stopping.wait(RECOVER_RETRY_S)
 
+    def ready(self) -> bool:
+        return self.thread.is_alive() and known_to_topology(self._http, self.topology_url, "aggregator")
+
     def handle(self, command: StartCommand | GoCommand | StopCommand | TopologyChange) -> None:
         if command.deployment != self.deployment:
             return
@@ -129,11 +135,12 @@ class Aggregator:
             thread.join(5)
         self.thread.join(5)
         self.transport.close()
+        self._http.close()
 
 
 def create_app(aggregator: Aggregator, broker_url: str) -> FastAPI:
     app = FastAPI(title="dfca aggregator", version="1")
-    add_health_routes(app, broker_url, aggregator.thread.is_alive)
+    add_health_routes(app, broker_url, aggregator.ready)
 
     @app.get("/status")
     def status() -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 POST /experiments (an ExperimentConfig; 201 {"id"}), POST /experiments/{id}:start, POST /experiments/{id}:stop,
 POST /experiments/{id}/edges ({"add": [[u, v]], "remove": [[u, v]]}), GET /experiments, GET /experiments/{id},
-GET /experiments/{id}/topology, /livez, /readyz. Mutating calls need `Authorization: Bearer $DFCA_API_TOKEN`.
+GET /experiments/{id}/topology, GET /deployment (the workers and the aggregator it knows), /livez, /readyz.
+Mutating calls need `Authorization: Bearer $DFCA_API_TOKEN`.
 """
 
 from __future__ import annotations
@@ -112,6 +113,13 @@ def create_app(coordinator: Coordinator, token: str | None, broker_url: str, rea
     @app.get("/experiments/{experiment}/topology")
     def topology(experiment: str) -> dict[str, Any]:
         return record_or_404(experiment).topology()  # type: ignore[no-any-return]
+
+    @app.get("/deployment")
+    def deployment() -> dict[str, Any]:
+        """The workers and the aggregator this service has heard from: a worker's and the aggregator's /readyz
+        pass only once they are listed here, so a deployment whose processes are all ready can start any
+        experiment at once."""
+        return coordinator.deployment_view()
 
     @app.exception_handler(UnknownExperiment)
     def unknown(_: Any, err: UnknownExperiment) -> JSONResponse:

@@ -1,6 +1,7 @@
 """The worker service: hosts clients c with c % DFCA_WORKERS == DFCA_WORKER_ORDINAL of every experiment.
 
-Health on DFCA_PORT (default 8082): /livez, /readyz (broker reachable and running experiments rejoined),
+Health on DFCA_PORT (default 8082): /livez, /readyz (broker reachable, running experiments rejoined, and the
+topology service knows this worker: dfca.runtime.registration),
 GET /status (this worker's runners).
 """
 

@@ -92,6 +92,7 @@ def register(app: typer.Typer) -> None:
                 record.pop("config", None)
                 print(json.dumps({"experiment": record, "summary": client.summary(experiment)}, indent=2))
                 return
+            print(deployment_line(client.deployment()))
             table = Table(title="experiments")
             for column in ("id", "name", "algorithm", "status", "round", "accuracy", "ARI"):
                 table.add_column(column, justify="right" if column in ("round", "accuracy", "ARI") else "left",
@@ -231,6 +232,18 @@ def watch(client: RuntimeClient, experiment: str, timeout: float | None = None) 
         final = client.experiment(experiment)["status"]
     Console().print(summary_table(experiment, final, summary))
     return 0 if final == "completed" else 1
+
+
+def deployment_line(view: dict[str, Any]) -> str:
+    """The processes the topology service knows: what an experiment can start on now."""
+    present = view.get("workers_present", [])
+    expected = view.get("workers")
+    workers = (f"{len(present)} of {expected} workers known" if expected is not None else
+               f"{len(present)} workers known")
+    listed = f" ({', '.join(str(w) for w in present)})" if present else ""
+    aggregator = ("an aggregator known" if view.get("aggregator") else
+                  "no aggregator (algorithms with a central role are refused)")
+    return f"deployment {view.get('deployment', '?')}: {workers}{listed}, {aggregator}"
 
 
 def summary_table(experiment: str, status: str, summary: dict[str, Any]) -> Table:

@@ -111,6 +111,10 @@ class RuntimeClient:
     def experiments(self) -> list[dict[str, Any]]:
         return list(self._call(self.topology, "GET", "/experiments").json())
 
+    def deployment(self) -> dict[str, Any]:
+        """The workers and the aggregator the topology service knows (GET /deployment)."""
+        return dict(self._call(self.topology, "GET", "/deployment").json())
+
     def summary(self, experiment: str) -> dict[str, Any] | None:
         """The metrics service's summary, or None when it has not heard of the experiment (yet)."""
         try:

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from dfca import topics
 from dfca.algorithms import SERVERS
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.5
 BUS_SILENCE_S = 3 * HEARTBEAT_S  # no event from any worker for this long: the bus (or this service) is down
+PRESENT_FOR_S = 5 * HEARTBEAT_S  # a worker or aggregator last heard from longer ago than this is not present
 
 
 class UnknownExperiment(KeyError):
@@ -143,20 +145,33 @@ class Coordinator:
     def worker_count(self, cfg: ExperimentConfig) -> int:
         if self.workers is not None:
             return self.workers
-        recent = [w for w, seen in self.presence.values() if self.clock() - seen < 5 * HEARTBEAT_S]
-        return max(recent, default=cfg.runtime.workers or 1)
+        return max(self._recent_presence().values(), default=cfg.runtime.workers or 1)
 
     def present_workers(self) -> int | None:
         """The workers the deployment runs: DFCA_WORKERS, else what the workers announce; None if unknown."""
         if self.workers is not None:
             return self.workers
-        recent = [w for w, seen in self.presence.values() if self.clock() - seen < 5 * HEARTBEAT_S]
-        return max(recent, default=None)
+        return max(self._recent_presence().values(), default=None)
+
+    def _recent_presence(self) -> dict[int, int]:
+        """ordinal -> its DFCA_WORKERS, for the workers heard from within PRESENT_FOR_S."""
+        now = self.clock()
+        return {o: w for o, (w, seen) in self.presence.items() if now - seen < PRESENT_FOR_S}
+
+    def aggregator_present(self) -> bool:
+        return self.clock() - self.aggregator_seen < PRESENT_FOR_S
+
+    def deployment_view(self) -> dict[str, Any]:
+        """What this service knows of the deployment's processes (GET /deployment): the workers it runs
+        (DFCA_WORKERS, or null where they are learnt from presence), the ordinals heard from within PRESENT_FOR_S,
+        and whether an aggregator is. A worker or the aggregator is ready only once it is known here."""
+        return {"deployment": self.deployment, "workers": self.present_workers(),
+                "workers_present": sorted(self._recent_presence()), "aggregator": self.aggregator_present()}
 
     def check_can_run(self, cfg: ExperimentConfig) -> None:
         """Refuse (409) what cannot run here: a central-role algorithm with no aggregator, or a config that asks
         for another number of workers than the deployment has."""
-        if cfg.algorithm in SERVERS and self.clock() - self.aggregator_seen > 5 * HEARTBEAT_S:
+        if cfg.algorithm in SERVERS and not self.aggregator_present():
             raise InvalidTransition(
                 f"algorithm {cfg.algorithm!r} needs the aggregator (its server runs there) and no aggregator has "
                 "announced itself: start one (`dfca up --aggregator`, compose `--profile aggregator`, or the k8s "

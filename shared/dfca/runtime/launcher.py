@@ -270,7 +270,9 @@ class Stack:
 
     def wait_ready(self, timeout: float = 120.0, names: list[str] | None = None,
                    stop: threading.Event | None = None) -> None:
-        """Wait until every service (or `names`) answers /readyz with 200; raise TimeoutError otherwise."""
+        """Wait until every service (or `names`) answers /readyz with 200; raise TimeoutError otherwise. A worker's
+        and the aggregator's /readyz pass only once the topology service knows them (dfca.runtime.registration), so
+        once this returns for the whole stack, any experiment can start, IFCA's included."""
         waiting = list(names or self.services)
         deadline = time.monotonic() + timeout
         while waiting and not (stop is not None and stop.is_set()):
@@ -281,6 +283,14 @@ class Stack:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not ready after {timeout:.0f} s: {', '.join(waiting)}")
             time.sleep(0.5)
+
+    def ready_line(self) -> str:
+        """What `dfca up` prints once every process is ready."""
+        options = self.options
+        aggregator = f", aggregator :{options.aggregator_port}" if options.aggregator_port is not None else ""
+        return (f"dfca up: ready: topology {options.topology_url}, metrics {options.metrics_url}, "
+                f"{options.workers} workers{aggregator}, every one known to the topology service; Ctrl-C stops "
+                "everything")
 
 
 def run_stack(options: StackOptions) -> int:
@@ -302,11 +312,11 @@ def run_stack(options: StackOptions) -> int:
     try:
         stack.start()
         try:
-            stack.wait_ready(names=["topology", "metrics"], stop=stop)
-            print(f"dfca up: topology {options.topology_url}, metrics {options.metrics_url}, "
-                  f"{options.workers} workers; Ctrl-C stops everything", file=sys.stderr)
+            stack.wait_ready(stop=stop)
+            if not stop.is_set():
+                print(stack.ready_line(), file=sys.stderr, flush=True)
         except TimeoutError as err:
-            print(f"dfca up: {err}", file=sys.stderr)
+            print(f"dfca up: {err} (their logs say why; the stack keeps trying)", file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             stack.poll()
     finally:

@@ -36,6 +36,7 @@ from dfca.runtime.messages import (
     decode_control,
     encode,
 )
+from dfca.runtime.registration import known_to_topology
 from dfca.settings import service_auth
 from dfca.topics import worker_control_queue
 from dfca.transport import Transport
@@ -200,7 +201,9 @@ class WorkerAgent:
         return str(response.json().get("status")) if response.is_success else None
 
     def ready(self) -> bool:
-        return self.recovered.is_set() and not self.stopping.is_set()
+        """Rejoined the running experiments, and known to the topology service (dfca.runtime.registration)."""
+        return (self.recovered.is_set() and not self.stopping.is_set()
+                and known_to_topology(self._http, self.topology_url, "worker", self.ordinal))
 
 
 def event_key(event: RoundReport | WorkerEvent | FinalModelsShare) -> str:
