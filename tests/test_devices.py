@@ -89,15 +89,20 @@ def test_the_simulator_keeps_every_algorithm_on_its_device(algorithm: str, devic
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_cnn_trains_on_its_device_and_both_drivers_agree(device: str) -> None:
-    """model.kind: cnn (the paper's CNN, a client at a time) on 8x8 digits: it learns (chance is 0.1), its
-    parameters and batch-norm statistics stay on the device, and the message drivers end where the simulator ends."""
+    """model.kind: cnn (the paper's CNN, every client at once through torch.func) on 8x8 digits: it learns (chance is
+    0.1), its parameters and batch-norm statistics stay on the device, and the message drivers end where the
+    simulator ends. Batched convolutions round differently for other numbers of clients (a unit in the last place of
+    a step's gradient), and this net amplifies that over rounds (4e-7 after one round, 3e-6 after two, 5e-3 after
+    four), so the drivers are compared after two rounds."""
     cfg = small_config(model={"kind": "cnn"}, rounds=4, dfca={"variant": "paper"}, device=device)
     ctx = prepare(cfg)
     sim = simulate(cfg, data=ctx.data)
     assert sim.history[-1]["test_accuracy"] > 0.3
     assert {t.device.type for t in sim.algorithm.params.values()} == {torch.device(device).type}
     assert "bn1.running_mean" in sim.algorithm.params
-    run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 2, device=device)
+    two = cfg.model_copy(update={"rounds": 2})
+    sim = simulate(two, data=ctx.data)
+    run = run_lockstep(two, ctx.data, neighbours(ctx.graph), transport_factory(), 2, device=device)
     for d in run.drivers:
         assert d.stats.applied > 0 and not d.stats.rejected
         assert_rows_match(d.algorithm.params, sim.algorithm.params, d.ids)

@@ -55,6 +55,18 @@ def _load(config: Path | None, overrides: list[str] | None = None) -> Experiment
         raise typer.Exit(2) from err
 
 
+def _check_model(cfg: ExperimentConfig) -> None:
+    """A `kind: torch` model must come out of its factory fitting the data (dfca.model_factory), before any data
+    is read; this is the user's own process, so the factory may be any module or file."""
+    from dfca.model_factory import ModelFactoryError, check_config_model
+
+    try:
+        check_config_model(cfg)
+    except ModelFactoryError as err:
+        console.print(f"[bold red]invalid config:[/] {err}")
+        raise typer.Exit(2) from err
+
+
 def _check_device(cfg: ExperimentConfig) -> None:
     """`device` must exist on this machine for `dfca run` (workers check DFCA_DEVICE or `device` themselves)."""
     try:
@@ -102,6 +114,7 @@ def run(
     overrides = list(sets or []) + [f"{k}={v}" for k, v in (("rounds", rounds), ("seed", seed)) if v is not None]
     cfg = _load(config, overrides)
     _check_device(cfg)
+    _check_model(cfg)
     try:
         out = prepare_out(out, force)
     except OutFolderRefused as err:
@@ -142,9 +155,11 @@ def run(
 @app.command("validate")
 def validate(config: Path = typer.Argument(..., help="experiment YAML"),
              sets: list[str] = typer.Option(None, "--set", help=SET_HELP)) -> None:
-    """Check a config file (with any --set overrides) against the schema, and that its `device` is here."""
+    """Check a config file (with any --set overrides) against the schema, that its `device` is here, and that a
+    `model.kind: torch` factory makes a module that fits the data."""
     cfg = _load(config, sets)
     _check_device(cfg)
+    _check_model(cfg)
     console.print(f"[green]ok[/]: {cfg.name} ({cfg.algorithm}, device {resolve_device(cfg.device)})")
 
 
@@ -212,6 +227,7 @@ def up(
         state_dir=state_dir,
         metrics_db_url=os.environ.get("DFCA_METRICS_DB_URL"), data_root=os.environ.get("DFCA_DATA_ROOT"),
         log_level=os.environ.get("DFCA_LOG_LEVEL", "INFO"), log_to_files=log_to_files,
+        model_factories=os.environ.get("DFCA_MODEL_FACTORIES", ""),
     )
     users_file = broker_users or (Path(os.environ["DFCA_BROKER_USERS"]) if os.environ.get("DFCA_BROKER_USERS")
                                   else None)

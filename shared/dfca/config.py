@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
 
 from dfca.run_size import SCREEN_COPIES, estimated_run_bytes, gib
 
@@ -74,9 +75,41 @@ class DataConfig(Strict):
     )
 
 
+MAX_OPTIONS_BYTES = 16_384  # a factory's options travel in every config; a few numbers and names
+
+
 class ModelConfig(Strict):
-    kind: Literal["mlp", "cnn"] = "mlp"
+    kind: Literal["mlp", "cnn", "torch"] = Field(
+        "mlp", description="mlp: the built-in MLP (model.hidden); cnn: the paper's CNN; torch: the nn.Module "
+        "model.factory makes (docs/configuration.md, 'Your own model')")
     hidden: int = Field(200, ge=1, le=65_536)
+    factory: str | None = Field(
+        None, max_length=500, description="kind torch: `package.module:function` or `path/to/file.py:function`, "
+        "called as function(input_shape, num_classes, **model.options) -> torch.nn.Module")
+    options: dict[str, JsonValue] = Field(
+        default_factory=dict, description="kind torch: keyword arguments for the factory (JSON values)")
+
+    @model_validator(mode="after")
+    def _factory(self) -> ModelConfig:
+        if self.kind != "torch":
+            if self.factory is not None or self.options:
+                raise ValueError(f"model.factory: only model.kind torch takes a factory and options (kind is "
+                                 f"{self.kind})")
+            return self
+        if not self.factory:
+            raise ValueError("model.factory: model.kind torch needs a factory, `package.module:function` or "
+                             "`path/to/file.py:function`")
+        where, sep, function = self.factory.rpartition(":")
+        if not sep or not where or not function.isidentifier() or any(c.isspace() for c in self.factory):
+            raise ValueError(f"model.factory: {self.factory!r} is not `package.module:function` or "
+                             "`path/to/file.py:function`")
+        if not where.endswith(".py") and not all(part.isidentifier() for part in where.split(".")):
+            raise ValueError(f"model.factory: {where!r} is neither a module path (package.module) nor a .py file")
+        if bad := [k for k in self.options if not k.isidentifier()]:
+            raise ValueError(f"model.options: {bad[0]!r} is not a keyword argument name")
+        if len(json.dumps(self.options)) > MAX_OPTIONS_BYTES:
+            raise ValueError(f"model.options: more than {MAX_OPTIONS_BYTES:,} bytes of JSON")
+        return self
 
 
 class TrainConfig(Strict):

@@ -1,9 +1,10 @@
 """Models batched over clients: parameters carry a leading client (or client x cluster) dimension.
 
 A parameter set is a plain `dict[str, Tensor]`; every tensor has the same leading batch
-shape. The MLP trains with an explicit forward/backward and the SGD step fused in place
-(measured ~3.5x faster than autograd or vmap on 2 CPU cores). The paper's CNN trains with
-autograd, one client at a time.
+shape. The MLP trains with an explicit forward/backward and the SGD step fused in place, its
+first layer in sample space where that is less arithmetic (docs/performance.md). The paper's
+CNN, and any module a user brings (`model.kind: torch`), train every client at once through
+torch.func (dfca.torch_model).
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from dfca.config import ModelConfig
 
 Params = dict[str, Tensor]
 CLIENT_BLOCK = 32  # the fewest clients trained together (the MLP: more where their working set is small)
@@ -90,6 +95,10 @@ class BatchedModel(ABC):
 
     def num_params(self) -> int:
         return sum(math.prod(s) for s in self.shapes().values())
+
+    def last_layer(self) -> list[str]:
+        """The names of the final layer's tensors: what DPMM-CFL and FeSEM cluster by default."""
+        return list(self.shapes())[-2:]
 
     def to(self, device: torch.device) -> BatchedModel:
         """Compute on `device` (parameters are passed in; a model holding modules moves them)."""
@@ -302,90 +311,34 @@ class PaperCNN(nn.Module):
         return self.fc(x.flatten(1))
 
 
-class CNN(BatchedModel):
-    """The paper's CNN, batched by looping over clients. BatchNorm statistics are parameters too."""
-
-    def __init__(self, input_shape: tuple[int, ...], classes: int) -> None:
-        c, h, _ = input_shape
-        self.layout = (c, h, classes)
-        self.module = PaperCNN(c, h, classes)
-        self.module.bn1.momentum = self.module.bn2.momentum = 0.1
-        self._shapes = {k: tuple(v.shape) for k, v in self._state().items()}
-
-    def _state(self, module: nn.Module | None = None) -> dict[str, Tensor]:
-        state = (module or self.module).state_dict()
-        return {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return dict(self._shapes)
-
-    def to(self, device: torch.device) -> CNN:
-        self.module.to(device)
-        return self
-
-    def init(self, n: int, generator: torch.Generator) -> Params:
-        """On the CPU, whatever the device (the same seeded models everywhere)."""
-        seeds = torch.randint(0, 2**62, (n,), generator=generator)
-        stacks: dict[str, list[Tensor]] = {k: [] for k in self._shapes}
-        template = PaperCNN(*self.layout)
-        for seed in seeds.tolist():
-            with torch.random.fork_rng(devices=[]):  # nn init draws from the global RNG; keep it untouched
-                torch.manual_seed(seed)
-                for m in template.modules():
-                    if m is not template and hasattr(m, "reset_parameters"):
-                        m.reset_parameters()
-            for k, v in self._state(template).items():
-                stacks[k].append(v.detach().clone().float())
-        return {k: torch.stack(v) for k, v in stacks.items()}
-
-    def _load(self, params: Params, b: int) -> None:
-        with torch.no_grad():
-            for k, v in self.module.state_dict().items():
-                if k in params:
-                    v.copy_(params[k][b])
-
-    def _store(self, params: Params, b: int) -> None:
-        with torch.no_grad():
-            for k, v in self._state().items():
-                params[k][b].copy_(v)
-
-    def logits(self, params: Params, x: Tensor) -> Tensor:
-        outs = []
-        self.module.eval()
-        with torch.no_grad():
-            for b in range(x.shape[0]):
-                self._load(params, b)
-                outs.append(self.module(x[b]))
-        return torch.stack(outs)
-
-    def sgd(
-        self, params: Params, x: Tensor, y: Tensor, lr: float, orders: Tensor, batch_size: int,
-        momentum: float = 0.0, sample_mask: Tensor | None = None,
-    ) -> None:
-        orders = orders.to(x.device)
-        for b in range(x.shape[0]):
-            self._load(params, b)
-            self.module.train()
-            opt = torch.optim.SGD(self.module.parameters(), lr=lr, momentum=momentum)
-            for epoch in range(orders.shape[1]):
-                order = orders[b, epoch]
-                if sample_mask is not None:
-                    order = order[sample_mask[b, order]]
-                for lo in range(0, order.numel(), batch_size):
-                    idx = order[lo : lo + batch_size]
-                    if idx.numel() < 2:
-                        continue  # batch norm needs two samples
-                    opt.zero_grad(set_to_none=True)
-                    F.cross_entropy(self.module(x[b, idx]), y[b, idx]).backward()
-                    opt.step()
-            self._store(params, b)
-
-
 def build_model(
-    kind: str, input_shape: tuple[int, ...], hidden: int, classes: int, device: torch.device | str = "cpu"
+    kind: str, input_shape: tuple[int, ...], hidden: int, classes: int, device: torch.device | str = "cpu", *,
+    factory: str | None = None, options: dict[str, Any] | None = None, allowed: Sequence[str] | None = None,
 ) -> BatchedModel:
+    """`mlp`: the hand-written MLP; `cnn`: the paper's CNN; `torch`: the module `factory` makes (dfca.model_factory;
+    `allowed`: the runtime's allow-list, None for `dfca run`). Both modules train through dfca.torch_model."""
+    from dfca.model_factory import build_module  # these build on this module's BatchedModel
+    from dfca.torch_model import TorchModel
+
     if kind == "mlp":
         return MLP(math.prod(input_shape), hidden, classes)
     if kind == "cnn":
-        return CNN(input_shape, classes).to(torch.device(device))
-    raise ValueError(f"model.kind: unknown model {kind!r} (mlp or cnn)")
+        c, side = input_shape[0], input_shape[1]
+        return TorchModel(lambda: PaperCNN(c, side, classes), PaperCNN(c, side, classes), input_shape, classes,
+                          "the paper's CNN").to(torch.device(device))
+    if kind == "torch":
+        if not factory:
+            raise ValueError("model.factory: kind torch needs a factory, `package.module:function`")
+        kwargs = dict(options or {})
+        make, module = build_module(factory, kwargs, input_shape, classes, allowed)
+        shape = tuple(input_shape)
+        return TorchModel(lambda: make(shape, classes, **kwargs), module, input_shape, classes,
+                          factory).to(torch.device(device))
+    raise ValueError(f"model.kind: unknown model {kind!r} (mlp, cnn or torch)")
+
+
+def model_from_config(model: ModelConfig, input_shape: tuple[int, ...], classes: int,
+                      device: torch.device | str = "cpu", allowed: Sequence[str] | None = None) -> BatchedModel:
+    """The model a config's `model` section names, for data of `input_shape` and `classes`."""
+    return build_model(model.kind, input_shape, model.hidden, classes, device, factory=model.factory,
+                       options=model.options, allowed=allowed)

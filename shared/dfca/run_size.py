@@ -25,8 +25,12 @@ SCREEN_COPIES = 5  # screened gossip besides: last round's models, and a step's 
 
 
 def model_params(kind: str, inputs: int, hidden: int, classes: int) -> int:
+    """Values per model copy; a user's module (`torch`) is not known before its factory runs: counted as none
+    here, and checked by what it allocates."""
     if kind == "cnn":
         return CNN_PARAMS
+    if kind == "torch":
+        return 0
     return inputs * hidden + hidden + hidden * classes + classes
 
 

@@ -27,6 +27,8 @@ ENV_VARS: dict[str, str] = {
     "DFCA_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR",
     "DFCA_TLS_CERT": "PEM certificate (chain) a service's HTTP server presents: it answers HTTPS only",
     "DFCA_TLS_KEY": "PEM private key of DFCA_TLS_CERT",
+    "DFCA_MODEL_FACTORIES": "comma-separated module prefixes and folders whose model factories (model.kind: torch) "
+                            "the runtime may import; unset: none (dfca.model_factory)",
     "DFCA_FORGE": "robustness experiments only: this worker forges what its clients send, e.g. "
                   "'seed=relay,gossip=zeros' (dfca.attacks); never set in a real deployment",
 }

@@ -43,7 +43,7 @@ from dfca.evaluation import (
 )
 from dfca.graph import adjacency_matrix, build_graph, neighbours
 from dfca.heap import keep_freed_memory
-from dfca.models import BatchedModel, Params, build_model
+from dfca.models import BatchedModel, Params, model_from_config
 from dfca.run_size import check_fits_memory
 from dfca.schedule import RoundSchedule
 from dfca.wire import PAYLOAD_DTYPES, Envelope, as_received, body_bytes, headers_of, message_bytes
@@ -73,7 +73,7 @@ def prepare(cfg: ExperimentConfig, data: FederatedData | None = None) -> SimCont
         check_fits_memory(cfg.estimated_bytes(), f"this run of {cfg.data.clients} clients", str(device))
     data = (data if data is not None else build_federated_data(cfg)).to(device)
     graph = build_graph(cfg.topology, data.num_clients, cfg.seed)
-    model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, device)
+    model = model_from_config(cfg.model, data.input_shape, data.num_classes, device)
     return SimContext(cfg, model, data, graph, adjacency_matrix(graph, data.num_clients).to(device), device)
 
 

@@ -61,10 +61,11 @@ def initial_model(ctx: HostContext) -> Params:
 
 
 def representation(model: BatchedModel, params: Params, which: str) -> Tensor:
-    """[rows, d] float64: what a server clusters on, the final layer's weight and bias (the model's last two
-    parameters) or every parameter, flattened."""
-    names = list(model.shapes())
-    return torch.cat([params[n].flatten(1) for n in (names[-2:] if which == "last_layer" else names)], 1).double()
+    """[rows, d] float64: what a server clusters on, flattened: the final layer's tensors (BatchedModel.last_layer:
+    the MLP's w2 and b2; a module's last layer with parameters, or the one its `dfca_last_layer` names), or every
+    tensor."""
+    names = model.last_layer() if which == "last_layer" else list(model.shapes())
+    return torch.cat([params[n].flatten(1) for n in names], 1).double()
 
 
 @torch.no_grad()

@@ -31,7 +31,8 @@ from dfca.algorithms import SERVERS, HostContext, server_of
 from dfca.algorithms.base import SERVER
 from dfca.data import build_federated_data
 from dfca.devices import resolve_device
-from dfca.models import build_model
+from dfca.model_factory import allowed_factories
+from dfca.models import model_from_config
 from dfca.runtime.host_transport import HostTransport, RunInterrupted
 from dfca.runtime.message_driver import MessageDriver
 from dfca.runtime.messages import TERMINAL_STATUSES, StartCommand
@@ -81,7 +82,7 @@ class ServerRole:
         """Serve every round; return early when `stop` is set or the experiment is over."""
         cfg = self.config
         data = build_federated_data(cfg)  # for the model's shapes; the server holds no client data
-        model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, self.device)
+        model = model_from_config(cfg.model, data.input_shape, data.num_classes, self.device, allowed_factories())
         server = server_of(HostContext(cfg, model, None, [SERVER], dict(self.command.neighbours), self.device))
         assert server is not None, f"{cfg.algorithm} has no central role"
         next_check = time.monotonic() + OVER_CHECK_S

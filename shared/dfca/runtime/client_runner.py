@@ -39,7 +39,8 @@ from dfca.config import ExperimentConfig
 from dfca.data import FederatedData, build_federated_data
 from dfca.devices import device_name, worker_device
 from dfca.heap import keep_freed_memory
-from dfca.models import build_model
+from dfca.model_factory import allowed_factories
+from dfca.models import model_from_config
 from dfca.run_size import check_fits_memory
 from dfca.runtime.checkpoints import CheckpointWriter
 from dfca.runtime.final_models import encode_sums
@@ -240,7 +241,7 @@ class ClientRunner:
                 self._wait_for_go()
                 self._report("finished")
                 return
-            model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, self.device)
+            model = model_from_config(cfg.model, data.input_shape, data.num_classes, self.device, allowed_factories())
             ctx = HostContext(cfg, model, data, spec.clients, self._graph, self.device)
             algorithm = clients_of(ctx)
             if self.forge is not None:

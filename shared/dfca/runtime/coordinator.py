@@ -26,6 +26,7 @@ from dfca import topics
 from dfca.algorithms import SERVERS
 from dfca.config import ExperimentConfig
 from dfca.graph import build_graph
+from dfca.model_factory import ModelFactoryError, allowed_factories, check_config_model
 from dfca.principals import host_of, worker
 from dfca.runtime.event_consumer import QueueConsumer
 from dfca.runtime.experiments import DONE_STATES, HEARTBEAT_S, RUNTIME_ALGORITHMS, ExperimentRecord
@@ -131,6 +132,10 @@ class Coordinator:
         if cfg.algorithm not in RUNTIME_ALGORITHMS:
             raise ConfigRejected("algorithm", f"algorithm: the runtime runs {sorted(RUNTIME_ALGORITHMS)}, "
                                               f"not {cfg.algorithm!r} (use `dfca run` for it)")
+        try:
+            check_config_model(cfg, allowed_factories())  # the operator's allow-list: REST carries names, not code
+        except ModelFactoryError as err:
+            raise ConfigRejected(err.field, str(err)) from err
         try:
             graph = build_graph(cfg.topology, cfg.data.clients, cfg.seed)
         except ValueError as err:

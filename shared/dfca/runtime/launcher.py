@@ -60,6 +60,7 @@ class StackOptions:
     log_to_files: bool = False  # each service's log in state_dir/logs/<name>.log instead of this stderr
     restart: bool = True
     broker_users: dict[str, str] | None = None  # principal -> its own AMQP URL (dfca.broker_users); None: broker_url
+    model_factories: str = ""  # DFCA_MODEL_FACTORIES: what model factories (model.kind: torch) the stack may import
     forge: dict[int, str] = field(default_factory=dict)  # worker ordinal -> DFCA_FORGE (robustness experiments only)
 
     def broker_url_of(self, principal: str) -> str:
@@ -120,6 +121,7 @@ def service_env(options: StackOptions, service: str, port: int, ordinal: int | N
         "DFCA_WORKERS": str(options.workers),
         "DFCA_CHECKPOINT_DIR": str((options.state_dir / "checkpoints").resolve()),
         "DFCA_LOG_LEVEL": options.log_level,
+        "DFCA_MODEL_FACTORIES": options.model_factories,
     })
     if options.data_root:
         env["DFCA_DATA_ROOT"] = options.data_root

@@ -19,7 +19,7 @@ from dfca.attacks import Attack, Forger
 from dfca.config import ExperimentConfig
 from dfca.data import FederatedData
 from dfca.evaluation import cluster_ari
-from dfca.models import build_model
+from dfca.models import model_from_config
 from dfca.runtime.message_driver import MessageDriver
 from dfca.schedule import RoundSchedule
 from dfca.transport import InMemoryBroker, InMemoryTransport, Transport
@@ -33,7 +33,7 @@ def client_driver(cfg: ExperimentConfig, experiment: str, clients: Sequence[int]
     """A driver of `clients` (data: their shards) over `transport`, its queue set up; `workers`: client c is
     hosted by worker c % workers (its routing keys and queue name say so); `queue`: a name of its own where the
     drivers do not split the clients that way (by default, its worker's queue)."""
-    model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, device)
+    model = model_from_config(cfg.model, data.input_shape, data.num_classes, device)
     ctx = HostContext(cfg, model, data.to(device), list(clients), {c: list(m) for c, m in graph.items()},
                       torch.device(device))
     driver = MessageDriver(clients_of(ctx), experiment, transport, workers=workers, queue=queue)
@@ -44,7 +44,7 @@ def client_driver(cfg: ExperimentConfig, experiment: str, clients: Sequence[int]
 def server_driver(cfg: ExperimentConfig, experiment: str, data: FederatedData, transport: Transport,
                   device: str = "cpu", workers: int = 1) -> MessageDriver | None:
     """The central role's driver, for an algorithm that has one (`workers`: as the clients' drivers have it)."""
-    model = build_model(cfg.model.kind, data.input_shape, cfg.model.hidden, data.num_classes, device)
+    model = model_from_config(cfg.model, data.input_shape, data.num_classes, device)
     server = server_of(HostContext(cfg, model, None, [SERVER], {}, torch.device(device)))
     if server is None:
         return None
