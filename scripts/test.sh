@@ -31,6 +31,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   timeout 900 apt-get update -q >/dev/null
   timeout 900 apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
 fi
-"$py" -m ruff check shared services tests benchmarks scripts
+"$py" -m ruff check shared services tests benchmarks scripts examples
 # --durations: the slowest tests are named in every log (a test that hangs fails at pyproject's per-test timeout)
 "$py" -m pytest -q -p no:cacheprovider --durations=15 "$@"

@@ -61,15 +61,16 @@ def log_tails(state_dir: Path, lines: int = 15) -> str:
 @contextmanager
 def running_stack(state_dir: Path, broker_url: str, workers: int = 3, aggregator: bool = False,
                   broker_users: dict[str, str] | None = None, read_token: str = "",
-                  forge: dict[int, str] | None = None) -> Iterator[Stack]:
+                  forge: dict[int, str] | None = None, model_factories: str = "") -> Iterator[Stack]:
     """A supervised stack (same code as `dfca up`, with `--aggregator` if asked) on free ports, stopped on exit;
     `broker_users`: each process connects as its own principal (`dfca up --broker-users`); `read_token`:
-    DFCA_READ_TOKEN; `forge`: worker ordinal -> DFCA_FORGE (a compromised worker, dfca.attacks)."""
+    DFCA_READ_TOKEN; `forge`: worker ordinal -> DFCA_FORGE (a compromised worker, dfca.attacks); `model_factories`:
+    DFCA_MODEL_FACTORIES (the model factories its services may import)."""
     options = StackOptions(
         workers=workers, broker_url=broker_url, topology_port=free_port(), metrics_port=free_port(),
         aggregator_port=free_port() if aggregator else None, worker_port_base=free_port_block(workers),
         api_token=TOKEN, read_token=read_token, state_dir=state_dir, log_to_files=True, broker_users=broker_users,
-        forge=forge or {},
+        forge=forge or {}, model_factories=model_factories,
     )
     stack = Stack(options)
     stop = threading.Event()

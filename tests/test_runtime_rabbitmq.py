@@ -55,14 +55,16 @@ from dfca.wire import Envelope, TensorSpec, encode_message, sha256
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 
 WORKERS = 3  # every stack here runs 3 workers
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ACCURACY_BAR = 0.85
 ARI_BAR = 0.95
 
 
 @pytest.fixture(scope="module")
 def stack(rabbitmq_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """One supervised 3-worker stack shared by the equivalence and fault tests of this module."""
-    with running_stack(tmp_path_factory.mktemp("stack"), rabbitmq_url) as running:
+    """One supervised 3-worker stack shared by the equivalence and fault tests of this module; its services may
+    import the model factories under examples/ (DFCA_MODEL_FACTORIES)."""
+    with running_stack(tmp_path_factory.mktemp("stack"), rabbitmq_url, model_factories=str(EXAMPLES)) as running:
         yield running
 
 
@@ -247,6 +249,34 @@ def test_synchronous_batch_run_matches_the_simulator_through_poison_messages(sta
         tensors = load_file(str(path))
         for name, simulated_params in sim.algorithm.params.items():
             torch.testing.assert_close(tensors[f"params.{name}"], simulated_params[clients], rtol=1e-4, atol=1e-5)
+
+
+def test_a_users_module_runs_on_every_worker_by_name_and_ends_where_the_simulator_ends(stack: Stack) -> None:
+    """`model.kind: torch` over RabbitMQ: the config carries the factory's name (a file under the allowed examples/
+    folder); every worker imports it, trains its clients' copies, sends state_dict-named tensors, and the run ends
+    at the simulator's models. A factory outside DFCA_MODEL_FACTORIES is refused with 422 before any worker trains."""
+    api = Api.of(stack)
+    outside = rotated_mnist(name="refused", model={"kind": "torch", "factory": "os:getcwd"})
+    refused = api.topology.post("/experiments", json=outside)
+    assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", "model.factory"], refused.text
+    factory = f"{EXAMPLES / 'tabular_mlp' / 'model.py'}:make"
+    cfg = rotated_mnist(name="module", aggregation="batch", rounds=3, seed=5,
+                        data={"clients": 12, "train_per_client": 40},
+                        model={"kind": "torch", "factory": factory, "options": {"hidden": 32, "dropout": 0.0}},
+                        dfca={"variant": "paper"}, runtime={"round_timeout": 120.0, "payload_dtype": "float32"})
+    experiment = api.create_and_start(cfg)
+    assert api.wait_finished(experiment)["status"] == "completed"
+    summary = api.summary(experiment)
+    assert summary["messages"]["timeouts"] == 0 and summary["messages"]["rejected_total"] == 0, summary
+    sim = simulate(ExperimentConfig.model_validate(cfg))
+    assert set(sim.algorithm.params) == {"1.weight", "1.bias", "2.weight", "2.bias", "5.weight", "5.bias",
+                                         "6.weight", "6.bias", "9.weight", "9.bias"}
+    for ordinal in range(3):
+        path = stack.options.state_dir / "checkpoints" / experiment / f"{ordinal}.safetensors"
+        tensors = load_file(str(path))
+        clients = clients_of(ordinal, 3, 12)
+        for name, simulated_params in sim.algorithm.params.items():
+            torch.testing.assert_close(tensors[f"params.{name}"], simulated_params[clients], rtol=1e-3, atol=1e-4)
 
 
 # -- faults -------------------------------------------------------------------------------------------------

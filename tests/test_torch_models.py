@@ -30,6 +30,7 @@ from torch import nn
 from torch_factories import DataDependent, batch_norm_cnn
 from typer.testing import CliRunner
 
+from dfca import topics
 from dfca.cli import app
 from dfca.config import ExperimentConfig
 from dfca.data import build_federated_data
@@ -40,6 +41,7 @@ from dfca.models import Params, build_model, client_permutations
 from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
 from dfca.simulator import Simulation, prepare, simulate
 from dfca.torch_model import TorchModel
+from dfca.wire import Envelope, PayloadRejected, decode_message, encode_message, serialize, sha256
 from services.topology.main import create_app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -343,3 +345,35 @@ def test_dfca_run_with_a_module_of_the_users_recovers_rotated_mnist_clusters(tmp
 
     saved = load_file(str(out / "models" / "cluster_0.safetensors"))
     assert {"1.weight", "2.weight", "2.bias", "9.weight"} <= set(saved)  # the module's state_dict names
+
+
+def test_the_wire_names_a_modules_tensors_by_its_state_dict_and_checks_them() -> None:
+    """A module's payload: its state_dict names (parameters and BatchNorm statistics); the decoder refuses a wrong
+    shape, a missing tensor, a wrong dtype and a non-finite value, as for the built-in models."""
+    cfg = small_config(dfca={"variant": "paper"}, model={"kind": "torch", "factory": "torch_factories:batch_norm_cnn"})
+    algorithm = Simulation(prepare(cfg)).algorithm
+    exchange = algorithm.exchanges(0)[0]
+    spec = algorithm.payload(exchange)
+    module = batch_norm_cnn((1, 8, 8), 10)
+    carried = [n for n, t in module.state_dict().items() if t.is_floating_point()]
+    assert list(spec) == carried and all(spec[n].shape == tuple(module.state_dict()[n].shape) for n in carried)
+    tensors = {n: t.clone() for n, t in module.state_dict().items() if n in spec}
+    key = topics.model_key("exp1", "worker-0", 3, 0)
+
+    def decoded(tensors: dict[str, torch.Tensor]) -> Envelope:
+        body, headers = encode_message(Envelope("exp1", 3, 0, exchange.name, 0, 0, tensors), spec)
+        return decode_message(key, body, headers, "exp1", lambda _head: spec)
+
+    assert set(decoded(tensors).tensors) == set(spec)
+    bad = {"shape": {**tensors, "0.weight": torch.zeros(1, 1, 3, 3)},
+           "non_finite": {**tensors, "1.running_var": torch.full_like(tensors["1.running_var"], float("nan"))}}
+    for reason, damaged in bad.items():
+        with pytest.raises(PayloadRejected) as err:
+            decoded(damaged)
+        assert err.value.reason == reason
+    missing = {n: t for n, t in tensors.items() if n != "5.bias"}
+    body = serialize(missing)
+    headers = {**encode_message(Envelope("exp1", 3, 0, exchange.name, 0, 0, tensors), spec)[1], "sha256": sha256(body)}
+    with pytest.raises(PayloadRejected) as err:
+        decode_message(key, body, headers, "exp1", lambda _head: spec)
+    assert err.value.reason == "shape"
