@@ -377,3 +377,26 @@ def test_the_wire_names_a_modules_tensors_by_its_state_dict_and_checks_them() ->
     with pytest.raises(PayloadRejected) as err:
         decode_message(key, body, headers, "exp1", lambda _head: spec)
     assert err.value.reason == "shape"
+
+
+@pytest.mark.parametrize("example", ["resnet_cifar", "tabular_mlp"])
+def test_the_examples_validate_and_learn(example: str, tmp_path: Path) -> None:
+    """Each example's config passes `dfca validate` as shipped (the residual CNN's CIFAR-10 files are read only by a
+    run), and its module learns: a few local steps on one client's data lower its loss."""
+    config = REPO / "examples" / example / "config.yaml"
+    result = runner.invoke(app, ["validate", str(config)])
+    assert result.exit_code == 0 and "ok" in result.output, result.output
+    cfg = ExperimentConfig.model_validate(yaml.safe_load(config.read_text()))
+    shape, classes = sample_shape(cfg.data)
+    model = build_model("torch", shape, 0, classes, factory=str(REPO / cfg.model.factory), options=cfg.model.options)
+    assert isinstance(model, TorchModel) and model.vmappable
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 16, *shape, generator=g), torch.randint(0, classes, (2, 16), generator=g)
+    params = model.init(2, torch.Generator().manual_seed(1))
+
+    def loss() -> float:
+        return float(F.cross_entropy(model.logits(params, x).flatten(0, 1), y.flatten()))
+
+    before = loss()
+    model.sgd(params, x, y, 0.05, client_permutations([1, 2], 16, 10), 8, momentum=0.9)
+    assert loss() < 0.5 * before
