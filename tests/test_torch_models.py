@@ -38,6 +38,7 @@ from dfca.data.shapes import sample_shape
 from dfca.graph import neighbours
 from dfca.model_factory import ModelFactoryError, allowed_factories, check_config_model
 from dfca.models import Params, build_model, client_permutations
+from dfca.run_size import RunTooLarge
 from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
 from dfca.simulator import Simulation, prepare, simulate
 from dfca.torch_model import TorchModel
@@ -400,3 +401,15 @@ def test_the_examples_validate_and_learn(example: str, tmp_path: Path) -> None:
     before = loss()
     model.sgd(params, x, y, 0.05, client_permutations([1, 2], 16, 10), 8, momentum=0.9)
     assert loss() < 0.5 * before
+
+
+def test_a_modules_copies_count_in_the_memory_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module's size is known once it is built: a run whose data fit but whose module copies do not is refused
+    before the copies are allocated."""
+    cfg = ExperimentConfig.model_validate({**torch_config("torch_factories:mlp", hidden=4096), "clusters": 4})
+    data_only = cfg.estimated_bytes()
+    with_module = cfg.estimated_bytes(model_values=torch_model("mlp", hidden=4096).num_params())
+    assert with_module > data_only + 6 * 4 * 3 * (64 * 4096) * 4  # 6 clients, k=4, 3 copies of 64x4096 weights
+    monkeypatch.setattr("dfca.run_size.available_bytes", lambda device="cpu": data_only + 1)
+    with pytest.raises(RunTooLarge, match="this run of 6 clients"):
+        prepare(cfg)

@@ -459,8 +459,9 @@ class ExperimentConfig(Strict):
             return float(n)
         return pairs * min(1.0, 3.1416 * t.radius**2)  # random geometric: a point's disc in the unit square
 
-    def estimated_bytes(self, clients: int | None = None) -> int:
-        """The memory the tensors of `clients` clients (default: all) take, estimated (dfca.run_size)."""
+    def estimated_bytes(self, clients: int | None = None, model_values: int | None = None) -> int:
+        """The memory the tensors of `clients` clients (default: all) take, estimated (dfca.run_size); `model_values`:
+        a built model's values per copy (a `kind: torch` module's is known only then)."""
         d = self.data
         return estimated_run_bytes(
             dataset=d.dataset, features=d.features, feature_dim=d.feature_dim, kind=self.model.kind,
@@ -468,7 +469,8 @@ class ExperimentConfig(Strict):
             train_per_client=d.train_per_client, test_per_client=d.test_per_client,
             samples=d.samples_per_category * (MAX_CATEGORIES_PER_CLIENT + 1) if d.partition == "categories"
             else None,  # categories: at most MAX_CATEGORIES_PER_CLIENT of S each, rounded up
-            extra_copies=SCREEN_COPIES if self.algorithm == "dfca" and self.dfca.screen else 0)
+            extra_copies=SCREEN_COPIES if self.algorithm == "dfca" and self.dfca.screen else 0,
+            model_values=model_values)
 
     def _check_categories(self) -> None:
         data, fedcref = self.data, self.algorithm == "fedcref"

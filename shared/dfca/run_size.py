@@ -25,8 +25,8 @@ SCREEN_COPIES = 5  # screened gossip besides: last round's models, and a step's 
 
 
 def model_params(kind: str, inputs: int, hidden: int, classes: int) -> int:
-    """Values per model copy; a user's module (`torch`) is not known before its factory runs: counted as none
-    here, and checked by what it allocates."""
+    """Values per model copy; a user's module (`torch`) is not known before its factory runs: none here, and its
+    real count (`model_values`) once it is built."""
     if kind == "cnn":
         return CNN_PARAMS
     if kind == "torch":
@@ -36,15 +36,16 @@ def model_params(kind: str, inputs: int, hidden: int, classes: int) -> int:
 
 def estimated_run_bytes(*, dataset: str, features: str, feature_dim: int, kind: str, hidden: int, clients: int,
                         clusters: int, train_per_client: int, test_per_client: int, samples: int | None = None,
-                        extra_copies: int = 0) -> int:
+                        extra_copies: int = 0, model_values: int | None = None) -> int:
     """Bytes of the tensors of `clients` clients (a worker's share, or all of them); `extra_copies`: model copies
-    beyond MODEL_COPIES (screened gossip keeps last round's models)."""
+    beyond MODEL_COPIES (screened gossip keeps last round's models); `model_values`: a built model's own count."""
     inputs, classes = DATASET_SHAPES.get(dataset, (feature_dim, clusters))
     if features == "projection" or dataset == "blobs":
         inputs = feature_dim
     per_client_samples = samples if samples is not None else train_per_client + test_per_client
     copies = MODEL_COPIES + extra_copies
-    models = clients * max(clusters, 1) * model_params(kind, inputs, hidden, classes) * 4 * copies
+    values = model_values if model_values is not None else model_params(kind, inputs, hidden, classes)
+    models = clients * max(clusters, 1) * values * 4 * copies
     data = clients * per_client_samples * (inputs + 1) * 4
     return models + data
 

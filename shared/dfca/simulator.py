@@ -74,6 +74,9 @@ def prepare(cfg: ExperimentConfig, data: FederatedData | None = None) -> SimCont
     data = (data if data is not None else build_federated_data(cfg)).to(device)
     graph = build_graph(cfg.topology, data.num_clients, cfg.seed)
     model = model_from_config(cfg.model, data.input_shape, data.num_classes, device)
+    if cfg.model.kind == "torch":  # a module's copies are known now
+        check_fits_memory(cfg.estimated_bytes(model_values=model.num_params()),
+                          f"this run of {cfg.data.clients} clients", str(device))
     return SimContext(cfg, model, data, graph, adjacency_matrix(graph, data.num_clients).to(device), device)
 
 

@@ -242,6 +242,9 @@ class ClientRunner:
                 self._report("finished")
                 return
             model = model_from_config(cfg.model, data.input_shape, data.num_classes, self.device, allowed_factories())
+            if cfg.model.kind == "torch":  # a module's copies are known now
+                check_fits_memory(cfg.estimated_bytes(len(spec.clients), model_values=model.num_params()),
+                                  f"worker {spec.ordinal}'s {len(spec.clients)} clients", str(self.device))
             ctx = HostContext(cfg, model, data, spec.clients, self._graph, self.device)
             algorithm = clients_of(ctx)
             if self.forge is not None:
