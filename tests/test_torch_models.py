@@ -27,7 +27,7 @@ from test_driver_equivalence import DEVICES, assert_rows_match, config_for, smal
 from test_runtime_control_plane import AUTH, TOKEN
 from test_runtime_start_checks import coordinator
 from torch import nn
-from torch_factories import DataDependent, batch_norm_cnn
+from torch_factories import DataDependent, batch_norm_cnn, dropout_mlp
 from typer.testing import CliRunner
 
 from dfca import topics
@@ -106,6 +106,25 @@ def test_the_batched_step_is_a_per_client_torch_optim_loop(momentum: float, mask
     reference.load_state_dict({k: v[2] for k, v in params.items()}, strict=False)
     with torch.no_grad():
         torch.testing.assert_close(model.logits(params, x)[2], reference(x[2]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_first_linear_layer_in_sample_space_is_the_per_client_loop(momentum: float) -> None:
+    """A Sequential that starts with Linear on the flattened sample trains that layer in sample space where that is
+    fewer multiply-adds (here: 30 samples of 64 values, 4 epochs), and ends where torch.optim.SGD client by client
+    ends; with fewer epochs over more samples it takes the textbook step."""
+    model = torch_model("dropout_mlp", hidden=32, p=0.0)  # Flatten, Linear, LayerNorm, ReLU, Dropout, Linear
+    assert model.first == "1" and model.first_layer_form(30, 4) == "samples"
+    assert model.first_layer_form(400, 1) == "weights" and torch_model("batch_norm_cnn").first is None
+    params = model.init(4, torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(4, 30, 1, 8, 8, generator=g), torch.randint(0, 10, (4, 30), generator=g)
+    orders = client_permutations([7, 8, 9, 10], 30, 4)
+    expected = per_client_torch_loop(lambda: dropout_mlp((1, 8, 8), 10, hidden=32, p=0.0), params, x, y, 0.05,
+                                     orders, 8, momentum)
+    model.sgd(params, x, y, 0.05, orders, 8, momentum)
+    for name, tensor in params.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def mlp_weights_as_module(params: Params) -> Params:

@@ -17,6 +17,13 @@ samples per client; clients are grouped by that count and each group steps on ex
 BatchNorm's batch statistics never see a masked sample. A client with no kept sample in a batch takes no step.
 Modules that hold batch norm skip batches of one sample (batch statistics need two).
 
+A Sequential whose first layer is an nn.Linear on the flattened sample (the MLPs people write) trains that layer in
+sample space where it is less arithmetic, exactly as the built-in MLP does (dfca.models.MLP): SGD only ever adds
+rows of the client's own samples to it, so W_t = W_0 + U_t^T X and b_t = b_0 + 1^T U_t, and a batch's
+pre-activations are P0_b + K_b U_t with P0 = X W_0^T + b_0 and K = X X^T + 1 formed once a call; the step takes the
+gradient of the loss with respect to those pre-activations (and the later layers' parameters) and writes it into
+U's rows of the batch. Chosen per call by multiply-adds (`first_layer_form`), never under a sample mask.
+
 Evaluation (`logits`) runs the module in eval mode: BatchNorm uses each client's running statistics, dropout is off.
 Integer buffers (BatchNorm's `num_batches_tracked`) are not carried: they only matter to BatchNorm with
 `momentum=None`, whose cumulative average then restarts at every local update.
@@ -83,6 +90,8 @@ class TorchModel(BatchedModel):
         self.device = torch.device("cpu")
         self.vmappable = True
         self._probe()
+        self.first = first_linear(template, self.input_shape) if self.vmappable else None
+        self.rest = template[int(self.first) + 1 :] if self.first is not None else None  # keeps the names
 
     # -- BatchedModel ------------------------------------------------------------------------------------------
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -157,6 +166,9 @@ class TorchModel(BatchedModel):
     # -- the batched step ---------------------------------------------------------------------------------------
     def _sgd_block(self, params: Params, x: Tensor, y: Tensor, lr: float, orders: Tensor, bs: int,
                    momentum: float, valid: Tensor | None) -> None:
+        if valid is None and self.first_layer_form(y.shape[1], orders.shape[1]) == "samples":
+            self._sgd_block_samples(params, x, y, lr, orders, bs, momentum)
+            return
         theta = {k: params[k] for k in self.param_names}
         vel = {k: torch.zeros_like(v) for k, v in theta.items()} if momentum > 0 else None
         least = 2 if self.has_batch_norm else 1
@@ -187,19 +199,89 @@ class TorchModel(BatchedModel):
                             for k, v in sub_vel.items():
                                 vel[k].index_copy_(0, rows, v)
 
+    # -- the first layer in sample space ------------------------------------------------------------------------
+    def first_layer_form(self, samples: int, epochs: int) -> str:
+        """"samples" where the first Linear's sample-space step is fewer multiply-adds (dfca.models.MLP's count)."""
+        if self.first is None:
+            return "weights"
+        h, d = self._shapes[f"{self.first}.weight"]
+        n = samples
+        return "samples" if n * n * d + 2 * n * d * h + epochs * n * n * h < epochs * n * 2 * d * h else "weights"
+
+    def _sgd_block_samples(self, params: Params, x: Tensor, y: Tensor, lr: float, orders: Tensor, bs: int,
+                           momentum: float) -> None:
+        assert self.first is not None
+        w_name, b_name = f"{self.first}.weight", f"{self.first}.bias"
+        bias = b_name in params
+        xf = x.reshape(x.shape[0], x.shape[1], -1)  # [B, n, d]
+        gram = torch.bmm(xf, xf.transpose(1, 2))  # K = X X^T (+ 1 with a bias)
+        p0 = torch.bmm(xf, params[w_name].transpose(1, 2))  # P0 = X W_0^T + b_0
+        if bias:
+            gram.add_(1.0)
+            p0.add_(params[b_name].unsqueeze(1))
+        u = torch.zeros_like(p0)
+        vel_u = torch.zeros_like(p0) if momentum > 0 else None
+        theta = {k: params[k] for k in self.param_names if k not in (w_name, b_name)}
+        vel = {k: torch.zeros_like(v) for k, v in theta.items()} if momentum > 0 else None
+        buffers = {k: v for k, v in params.items() if k not in self.param_names}
+        least = 2 if self.has_batch_norm else 1
+        rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1) * x.shape[1]
+        for epoch in range(orders.shape[1]):
+            order = orders[:, epoch]
+            for lo in range(0, orders.shape[2], bs):
+                idx = order[:, lo : lo + bs]  # [B, b] sample indices
+                if idx.shape[1] < least:
+                    continue
+                flat = (idx + rows).flatten()
+                k_rows = gram.reshape(-1, gram.shape[2]).index_select(0, flat).view(*idx.shape, -1)
+                pre = torch.baddbmm(p0.reshape(-1, p0.shape[2]).index_select(0, flat).view(*idx.shape, -1), k_rows, u)
+                yb = torch.gather(y, 1, idx)
+                grads, d_pre, new_buffers = self._rest_grads(theta, buffers, pre, yb)
+                with torch.no_grad():
+                    self._apply(theta, vel, grads, lr, momentum)
+                    for k, v in new_buffers.items():
+                        params[k].copy_(v)
+                    if vel_u is None:  # only the batch's rows of U change
+                        u.view(-1, u.shape[2]).index_add_(0, flat, d_pre.reshape(-1, u.shape[2]), alpha=-lr)
+                    else:  # the velocity decays in every row: the gradient in sample space, dense
+                        vel_u.mul_(momentum).view(-1, u.shape[2]).index_add_(0, flat, d_pre.reshape(-1, u.shape[2]))
+                        u.add_(vel_u, alpha=-lr)
+        params[w_name].baddbmm_(u.transpose(1, 2), xf)  # W = W_0 + U^T X
+        if bias:
+            params[b_name].add_(u.sum(1))
+
+    def _rest_loss(self, theta: Params, buffers: Params, pre: Tensor, yb: Tensor) -> tuple[Tensor, Params]:
+        state = {k: v.clone() for k, v in buffers.items()}
+        frozen = {k: v.clone() for k, v in self.frozen.items()}
+        assert self.rest is not None
+        output = functional_call(self.rest, (theta, state, frozen), (pre,), strict=False)
+        return self.loss(output, yb), state
+
+    def _rest_grads(self, theta: Params, buffers: Params, pre: Tensor, yb: Tensor) -> tuple[Params, Tensor, Params]:
+        (grads, d_pre), state = vmap(grad(self._rest_loss, argnums=(0, 2), has_aux=True),
+                                     randomness="different")(theta, buffers, pre, yb)
+        return grads, d_pre, state
+
+    @staticmethod
+    def _apply(theta: Params, vel: Params | None, grads: Params, lr: float, momentum: float) -> None:
+        """The SGD step of torch.optim.SGD (heavy ball with `vel`), in place, every tensor at once."""
+        if not theta:
+            return
+        if vel is None:
+            torch._foreach_add_(list(theta.values()), [grads[k] for k in theta], alpha=-lr)
+            return
+        velocity = [vel[k] for k in theta]
+        torch._foreach_mul_(velocity, momentum)
+        torch._foreach_add_(velocity, [grads[k] for k in theta])
+        torch._foreach_add_(list(theta.values()), velocity, alpha=-lr)
+
     def _step(self, params: Params, theta: Params, vel: Params | None, xb: Tensor, yb: Tensor, lr: float,
               momentum: float) -> None:
         """One SGD step of every row of `params` on its batch xb [B, b, ...], yb [B, b], in place."""
         buffers = {k: v for k, v in params.items() if k not in theta}
         grads, new_buffers = self._grads(theta, buffers, xb, yb)
         with torch.no_grad():
-            if vel is None:
-                torch._foreach_add_(list(theta.values()), [grads[k] for k in theta], alpha=-lr)
-            else:
-                velocity = [vel[k] for k in theta]
-                torch._foreach_mul_(velocity, momentum)
-                torch._foreach_add_(velocity, [grads[k] for k in theta])
-                torch._foreach_add_(list(theta.values()), velocity, alpha=-lr)
+            self._apply(theta, vel, grads, lr, momentum)
             for k, v in new_buffers.items():
                 params[k].copy_(v)
 
@@ -255,3 +337,18 @@ class TorchModel(BatchedModel):
                        "slower)")
             warnings.warn(message, RuntimeWarning, stacklevel=3)
             log.warning(message)
+
+
+def first_linear(module: nn.Module, input_shape: tuple[int, ...]) -> str | None:
+    """The name of a Sequential's first layer when it is a trainable nn.Linear on the whole flattened sample (only
+    nn.Flatten() before it, or a one-dimensional sample), else None."""
+    if not isinstance(module, nn.Sequential):
+        return None
+    flat = len(input_shape) == 1
+    for name, child in module.named_children():
+        if isinstance(child, nn.Flatten) and child.start_dim == 1 and child.end_dim == -1:
+            flat = True
+            continue
+        trainable = all(p.requires_grad for p in child.parameters())
+        return name if isinstance(child, nn.Linear) and flat and trainable and name.isdigit() else None
+    return None
