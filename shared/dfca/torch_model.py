@@ -62,10 +62,6 @@ def default_loss(output: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(output, target)
 
 
-class NotVmappable(RuntimeError):
-    """Why a module trains client by client."""
-
-
 class TorchModel(BatchedModel):
     """`make()` returns a fresh module (the user's factory with its arguments bound); `template` is one made already.
 
