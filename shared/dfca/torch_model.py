@@ -53,7 +53,7 @@ from dfca.models import BatchedModel, Params, in_order, masked_orders
 log = logging.getLogger(__name__)
 
 CPU_SAMPLES_PER_CALL = 1024  # samples of all clients in one vmapped call on the CPU (bounds activation memory)
-GPU_SAMPLES_PER_CALL = 1 << 16
+GPU_SAMPLES_PER_CALL = 1 << 14  # the paper CNN: about 3 GB of activations a call
 BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
 Loss = Callable[[Tensor, Tensor], Tensor]
 
