@@ -17,8 +17,8 @@ batch) at the same models (max |difference| within 1e-4). After a whole round th
 by training: printed beside the spread the per-client loop itself shows when its start is perturbed by one part in
 10^7 (the paper's CNN on MNIST amplifies that to about 1e-2 in 8 steps). Seconds: the median of `--repeats` timed
 rounds after an untimed one, the ways alternating.
-Peak memory: the most the process's resident set (CPU; sampled every millisecond) or torch's allocator (cuda) grew
-during a round. The CNN's executed GFLOP/s (multiply-adds count two: forward, input and weight gradients) is set
+Peak memory: the most the process's resident set (CPU; sampled every millisecond, glibc's default heap, which gives
+freed blocks back) or torch's allocator (cuda) grew during a round. The CNN's executed GFLOP/s (multiply-adds count two: forward, input and weight gradients) is set
 beside a plain matrix multiply's, timed in the same run: the share of the machine's rate the loop already uses
 bounds what batching can gain on that device. Appends one line per case, with the commit and load, to --out.
 """
@@ -41,7 +41,6 @@ from torch import nn
 
 from dfca.config import ExperimentConfig
 from dfca.data import build_federated_data
-from dfca.heap import keep_freed_memory
 from dfca.models import MLP, BatchedModel, PaperCNN, Params, build_model, client_permutations
 from dfca.torch_model import TorchModel
 
@@ -323,8 +322,7 @@ def main() -> None:
     parser.add_argument("--only", default="cnn,mlp")
     parser.add_argument("--out", type=Path, default=Path(RESULTS) / "torch_models_runs.jsonl")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    keep_freed_memory()
+    device = torch.device(args.device)  # glibc's default heap: what a way frees goes back, so each way's peak shows
     load_before = os.getloadavg()[0]
     cases = {"cnn": cnn_case, "mlp": mlp_case}
     rows = [cases[name](args, device) for name in args.only.split(",")]
