@@ -16,21 +16,25 @@ Each way starts from the same weights. The run fails unless every way ends one s
 batch) at the same models (max |difference| within 1e-4). After a whole round the ways differ by rounding, amplified
 by training: printed beside the spread the per-client loop itself shows when its start is perturbed by one part in
 10^7 (the paper's CNN on MNIST amplifies that to about 1e-2 in 8 steps). Seconds: the median of `--repeats` timed
-rounds after an untimed one, the ways alternating.
-Peak memory: the most the process's resident set (CPU; sampled every millisecond, glibc's default heap, which gives
-freed blocks back) or torch's allocator (cuda) grew during a round. The CNN's executed GFLOP/s (multiply-adds count two: forward, input and weight gradients) is set
-beside a plain matrix multiply's, timed in the same run: the share of the machine's rate the loop already uses
-bounds what batching can gain on that device. Appends one line per case, with the commit and load, to --out.
+rounds after an untimed one, the ways alternating, with the heap kept as a run keeps it (dfca.heap). Peak memory:
+how much one round grew the resident set of a process that runs only that way (CPU: its ru_maxrss against its
+resident set before the round), or torch's allocator's peak (cuda). The CNN's executed GFLOP/s (multiply-adds count
+two: forward, input and weight gradients) is set beside a plain matrix multiply's, timed in the same run: the share
+of the machine's rate the loop already uses bounds what batching can gain on that device. Appends one line per
+case, with the commit and load, to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
-import threading
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +45,13 @@ from torch import nn
 
 from dfca.config import ExperimentConfig
 from dfca.data import build_federated_data
+from dfca.heap import keep_freed_memory
 from dfca.models import MLP, BatchedModel, PaperCNN, Params, build_model, client_permutations
 from dfca.torch_model import TorchModel
 
 LR = 0.05
 TOLERANCE = 1e-4
+Ways = dict[str, tuple[Callable[..., torch.Tensor], dict[str, torch.Tensor]]]
 
 
 def mlp_module(d: int, hidden: int, classes: int) -> nn.Module:
@@ -58,45 +64,9 @@ def as_module(params: Params) -> Params:
             "3.weight": params["w2"].transpose(-1, -2).contiguous(), "3.bias": params["b2"].clone()}
 
 
-class PeakMemory:
-    """The most resident memory (CPU) or allocated memory (cuda) grew during the `with` block, in MiB."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.peak, self._stop = device, 0, threading.Event()
-
-    @staticmethod
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def __enter__(self) -> PeakMemory:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-            return self
-        self.base = self.peak = self.rss()
-
-        def sample() -> None:
-            while not self._stop.wait(0.001):
-                self.peak = max(self.peak, self.rss())
-
-        self.thread = threading.Thread(target=sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-        else:
-            self._stop.set()
-            self.thread.join()
-            self.peak = max(self.peak, self.rss())
-
-    @property
-    def mib(self) -> float:
-        return (self.peak - self.base) / (1 << 20)
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class PerClientLoop:
@@ -146,24 +116,28 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_ways(ways: dict[str, tuple[Callable[..., torch.Tensor], Params]], x: torch.Tensor, y: torch.Tensor,
-              orders: torch.Tensor, bs: int, repeats: int, device: torch.device) -> dict[str, dict[str, Any]]:
+def time_ways(ways: Ways, x: torch.Tensor, y: torch.Tensor, orders: torch.Tensor, bs: int, repeats: int,
+              device: torch.device) -> dict[str, dict[str, Any]]:
     """Each way: an untimed round, then `repeats` timed rounds, the ways alternating; every round starts from the
-    same weights. Returns seconds (median, all), peak MiB, and the models and logits of the last round."""
+    same weights. Returns seconds (median, all), the cuda allocator's peak growth, and the last round's models."""
     out: dict[str, dict[str, Any]] = {name: {"seconds_all": [], "peak_mib": 0.0} for name in ways}
     for repeat in range(repeats + 1):
         for name, (run, start) in ways.items():
             params = {k: v.clone() for k, v in start.items()}
             sync(device)
-            with PeakMemory(device) as peak:
-                began = time.perf_counter()
-                logits = run(params, x, y, orders, bs)
-                sync(device)
-                seconds = time.perf_counter() - began
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            began = time.perf_counter()
+            run(params, x, y, orders, bs)
+            sync(device)
+            seconds = time.perf_counter() - began
             if repeat:
                 out[name]["seconds_all"].append(seconds)
-                out[name]["peak_mib"] = max(out[name]["peak_mib"], peak.mib)
-            out[name]["params"], out[name]["logits"] = params, logits
+                if device.type == "cuda":
+                    grown = (torch.cuda.max_memory_allocated(device) - base) / (1 << 20)
+                    out[name]["peak_mib"] = max(out[name]["peak_mib"], grown)
+            out[name]["params"] = params
     for row in out.values():
         row["seconds"] = statistics.median(row["seconds_all"])
     return out
@@ -206,65 +180,104 @@ def data(clients: int, train: int, device: torch.device) -> tuple[torch.Tensor, 
     return federated.x_train.to(device), federated.y_train.to(device)
 
 
-def cnn_case(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+@dataclass
+class Case:
+    """A case's data and ways; `baseline`: the way the others' times are divided by; `loop`/`loop_start`: the
+    per-client loop and its start (in the module's names); `named`: how a way's tensors take the module's names."""
+
+    ways: Ways
+    baseline: str
+    x: torch.Tensor
+    y: torch.Tensor
+    orders: torch.Tensor
+    loop: Callable[..., torch.Tensor]
+    loop_start: Params
+    named: dict[str, Callable[[Params], Params]] = field(default_factory=dict)
+    flops: float | None = None
+
+
+def cnn_case(args: argparse.Namespace, device: torch.device) -> Case:
     x, y = data(args.clients, args.train, device)
-    orders = client_permutations(range(args.clients), args.train, args.cnn_epochs)
+    orders = client_permutations(range(args.clients), args.train, args.cnn_epochs).to(device)
     model = build_model("cnn", (1, 28, 28), 0, 10, device)
     assert isinstance(model, TorchModel)
     start = {k: v.to(device) for k, v in model.init(args.clients, torch.Generator().manual_seed(0)).items()}
     loop = PerClientLoop(PaperCNN(1, 28, 10), device)
-    ways = {"batched": (batched_round(model), start), "per-client loop": (loop.round, start)}
-    timed = time_ways(ways, x, y, orders.to(device), args.batch, args.repeats, device)
     steps = args.clients * args.cnn_epochs * sum(b for b in _batches(args.train, args.batch) if b >= 2)
-    flops = cnn_flops(28, 10, args.clients * args.train, steps)
-    return summarise("cnn", timed, "per-client loop", checks(ways, loop.round, start, x, y, orders, args.batch),
-                     flops=flops)
+    return Case({"batched": (batched_round(model), start), "per-client loop": (loop.round, start)},
+                "per-client loop", x, y, orders, loop.round, start,
+                flops=cnn_flops(28, 10, args.clients * args.train, steps))
 
 
 def _batches(n: int, bs: int) -> list[int]:
     return [min(bs, n - lo) for lo in range(0, n, bs)]
 
 
-def mlp_case(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def mlp_case(args: argparse.Namespace, device: torch.device) -> Case:
     x, y = data(args.clients, args.train, device)
-    orders = client_permutations(range(args.clients), args.train, args.mlp_epochs)
+    orders = client_permutations(range(args.clients), args.train, args.mlp_epochs).to(device)
     builtin = MLP(784, args.hidden, 10)
     module = TorchModel(lambda: mlp_module(784, args.hidden, 10), mlp_module(784, args.hidden, 10), (1, 28, 28), 10,
                         "the MLP as an nn.Module").to(device)
     start = {k: v.to(device) for k, v in builtin.init(args.clients, torch.Generator().manual_seed(0)).items()}
     loop = PerClientLoop(mlp_module(784, args.hidden, 10), device)
-
-    ways = {"hand-written MLP": (batched_round(builtin), start),
-            "batched module": (batched_round(module), as_module(start)),
-            "per-client loop": (loop.round, as_module(start))}
-    named = {"hand-written MLP": as_module}  # its tensors under the module's names, to compare
-    timed = time_ways(ways, x, y, orders.to(device), args.batch, args.repeats, device)
-    timed["hand-written MLP"]["params"] = as_module(timed["hand-written MLP"]["params"])
-    return summarise("mlp", timed, "hand-written MLP",
-                     checks(ways, loop.round, as_module(start), x, y, orders, args.batch, named))
+    return Case({"hand-written MLP": (batched_round(builtin), start),
+                 "batched module": (batched_round(module), as_module(start)),
+                 "per-client loop": (loop.round, as_module(start))},
+                "hand-written MLP", x, y, orders, loop.round, as_module(start), named={"hand-written MLP": as_module})
 
 
-def checks(ways: dict[str, tuple[Callable[..., torch.Tensor], Params]], loop: Callable[..., torch.Tensor],
-           loop_start: Params, x: torch.Tensor, y: torch.Tensor, orders: torch.Tensor, bs: int,
-           named: dict[str, Callable[[Params], Params]] | None = None) -> dict[str, float]:
+CASES: dict[str, Callable[[argparse.Namespace, torch.device], Case]] = {"cnn": cnn_case, "mlp": mlp_case}
+
+
+def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    case = CASES[name](args, device)
+    timed = time_ways(case.ways, case.x, case.y, case.orders, args.batch, args.repeats, device)
+    for way, convert in case.named.items():
+        timed[way]["params"] = convert(timed[way]["params"])
+    check = checks(case, args.batch)
+    return summarise(name, timed, case.baseline, check, case.flops)
+
+
+def own_peak_mib(name: str, way: str, args: argparse.Namespace) -> float:
+    """The most the resident set of a process that runs only `way` of case `name` (one round, after its data and
+    weights are made) grew during that round, in MiB."""
+    device = torch.device("cpu")
+    case = CASES[name](args, device)
+    run, start = case.ways[way]
+    params = {k: v.clone() for k, v in start.items()}
+    before = rss_bytes()
+    run(params, case.x, case.y, case.orders, args.batch)
+    return max(0.0, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before) / (1 << 20))
+
+
+def peaks_in_own_processes(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    for row in rows:
+        for way in row["ways"]:
+            argv = [sys.executable, __file__, "--peak", f"{row['case']}:{way}", *sys.argv[1:]]
+            done = subprocess.run(argv, capture_output=True, text=True, check=True)
+            row["ways"][way]["peak_mib"] = float(done.stdout.strip().splitlines()[-1])
+
+
+def checks(case: Case, bs: int) -> dict[str, float]:
     """The largest difference between the ways after one step of every client (must be rounding), and the spread the
-    loop shows over the whole round when its start is perturbed by one part in 10^7. `named`: how a way's tensors
-    take the others' names."""
+    loop shows over the whole round when its start is perturbed by one part in 10^7."""
+    x, y, orders = case.x, case.y, case.orders
     batch = orders[:, 0, :bs].to(x.device)  # every client's first batch, as its whole data for one step
     xb = torch.stack([x[b, batch[b]] for b in range(x.shape[0])])
     yb = torch.stack([y[b, batch[b]] for b in range(y.shape[0])])
     in_place = torch.arange(batch.shape[1], device=x.device).expand(x.shape[0], 1, -1).contiguous()
     ends = []
-    for name, (run, start) in ways.items():
+    for name, (run, start) in case.ways.items():
         params = {k: v.clone() for k, v in start.items()}
         run(params, xb, yb, in_place, bs)
-        ends.append((named or {}).get(name, lambda p: p)(params))
+        ends.append(case.named.get(name, lambda p: p)(params))
     step = max(max_difference(ends[0], other) for other in ends[1:])
     g = torch.Generator().manual_seed(7)
-    a = {k: v.clone() for k, v in loop_start.items()}
-    b = {k: v * (1 + 1e-7 * torch.randn(v.shape, generator=g).to(v.device)) for k, v in loop_start.items()}
+    a = {k: v.clone() for k, v in case.loop_start.items()}
+    b = {k: v * (1 + 1e-7 * torch.randn(v.shape, generator=g).to(v.device)) for k, v in case.loop_start.items()}
     for params in (a, b):
-        loop(params, x, y, orders.to(x.device), bs)
+        case.loop(params, x, y, orders, bs)
     return {"one_step": step, "loop_spread": max_difference(a, b)}
 
 
@@ -321,11 +334,18 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--only", default="cnn,mlp")
     parser.add_argument("--out", type=Path, default=Path(RESULTS) / "torch_models_runs.jsonl")
+    parser.add_argument("--peak", help=argparse.SUPPRESS)  # CASE:WAY: print that way's peak growth (own process)
     args = parser.parse_args()
-    device = torch.device(args.device)  # glibc's default heap: what a way frees goes back, so each way's peak shows
+    keep_freed_memory()  # the heap as a run keeps it (dfca.heap): rounds after the first reuse their memory
+    if args.peak:
+        name, way = args.peak.split(":", 1)
+        print(own_peak_mib(name, way, args))
+        return
+    device = torch.device(args.device)
     load_before = os.getloadavg()[0]
-    cases = {"cnn": cnn_case, "mlp": mlp_case}
-    rows = [cases[name](args, device) for name in args.only.split(",")]
+    rows = [run_case(name, args, device) for name in args.only.split(",")]
+    if device.type == "cpu":
+        peaks_in_own_processes(rows, args)
     matmul = matmul_gflops(device)
     print_table(rows, matmul, device, args)
     settings = {k: getattr(args, k) for k in ("clients", "train", "batch", "hidden", "cnn_epochs", "mlp_epochs",
