@@ -17,18 +17,17 @@ batch) at the same models (max |difference| within 1e-4). After a whole round th
 by training: printed beside the spread the per-client loop itself shows when its start is perturbed by one part in
 10^7 (the paper's CNN on MNIST amplifies that to about 1e-2 in 8 steps). Seconds: the median of `--repeats` timed
 rounds after an untimed one, the ways alternating, with the heap kept as a run keeps it (dfca.heap). Peak memory:
-how much one round grew the resident set of a process that runs only that way (CPU: its ru_maxrss against its
-resident set before the round), or torch's allocator's peak (cuda). The CNN's executed GFLOP/s (multiply-adds count
-two: forward, input and weight gradients) is set beside a plain matrix multiply's, timed in the same run: the share
-of the machine's rate the loop already uses bounds what batching can gain on that device. Appends one line per
-case, with the commit and load, to --out.
+how much one round grew the resident set of a process that runs only that way (CPU: its high-water mark, reset
+just before the round, against its resident set then), or torch's allocator's peak (cuda). The CNN's executed
+GFLOP/s (multiply-adds count two: forward, input and weight gradients) is set beside a plain matrix multiply's,
+timed in the same run: the share of the machine's rate the loop already uses bounds what batching can gain on that
+device. Appends one line per case, with the commit and load, to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -240,15 +239,18 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict[
 
 
 def own_peak_mib(name: str, way: str, args: argparse.Namespace) -> float:
-    """The most the resident set of a process that runs only `way` of case `name` (one round, after its data and
-    weights are made) grew during that round, in MiB."""
+    """The most the resident set of a process that runs only `way` of case `name` grew during one round, after its
+    data and weights are made, in MiB: the high-water mark (VmHWM) is reset just before the round."""
     device = torch.device("cpu")
     case = CASES[name](args, device)
     run, start = case.ways[way]
     params = {k: v.clone() for k, v in start.items()}
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
     before = rss_bytes()
     run(params, case.x, case.y, case.orders, args.batch)
-    return max(0.0, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before) / (1 << 20))
+    status = Path("/proc/self/status").read_text()
+    peak = next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
+    return max(0.0, (peak - before) / (1 << 20))
 
 
 def peaks_in_own_processes(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
