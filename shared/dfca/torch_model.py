@@ -52,7 +52,8 @@ from dfca.models import BatchedModel, Params, in_order, masked_orders
 
 log = logging.getLogger(__name__)
 
-CPU_SAMPLES_PER_CALL = 1024  # samples of all clients in one vmapped call on the CPU (bounds activation memory)
+CPU_SAMPLES_PER_CALL = 512  # samples of all clients in one vmapped call on the CPU: bounds activation memory (the
+# paper's CNN: about 0.6 GB a round at 512, 1.1 GB at 1024, and no faster at 1024; benchmarks/torch_models.py)
 GPU_SAMPLES_PER_CALL = 1 << 14  # the paper CNN: about 3 GB of activations a call
 BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
 Loss = Callable[[Tensor, Tensor], Tensor]
@@ -150,6 +151,8 @@ class TorchModel(BatchedModel):
             orders, valid = masked_orders(orders, sample_mask)
         self.module.train()
         clients = max(1, self._samples_per_call(x.device) // max(1, min(batch_size, y.shape[1])))
+        if valid is None and self.first_layer_form(y.shape[1], orders.shape[1]) == "samples":
+            clients = x.shape[0]  # in sample space a client's step state is small (K, P0 and U: n x n, n x h)
         seed = int(orders[:, :, : min(4, orders.shape[2])].sum()) * 1_000_003 + orders.shape[0]
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
             torch.manual_seed(seed)  # dropout: the same masks every time the same clients train the same orders
