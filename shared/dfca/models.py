@@ -68,6 +68,14 @@ def put_in_order(t: Tensor, order: Tensor, src: Tensor) -> None:
     t.view(t.shape[0] * t.shape[1], *t.shape[2:]).index_copy_(0, _flat_rows(order), src.reshape(-1, *t.shape[2:]))
 
 
+def first_layer_multiply_adds(samples: int, epochs: int, inputs: int, width: int) -> dict[str, int]:
+    """A client's multiply-adds in a first linear layer (`inputs` -> `width`) for `epochs` epochs over `samples`
+    samples, trained in weight space or in sample space (MLP's docstring)."""
+    n, d, h = samples, inputs, width
+    return {"weights": epochs * n * 2 * d * h,  # forward and weight gradient of every sample
+            "samples": n * n * d + 2 * n * d * h + epochs * n * n * h}  # K; P0 and X^T U; K_b U per sample
+
+
 class BatchedModel(ABC):
     """A model family whose parameters are stacked over a leading batch of clients."""
 
@@ -151,9 +159,7 @@ class MLP(BatchedModel):
 
     def first_layer_multiply_adds(self, samples: int, epochs: int) -> dict[str, int]:
         """A client's first-layer multiply-adds for `epochs` epochs over `samples` samples, in each form."""
-        n, d, h = samples, self.d, self.h
-        return {"weights": epochs * n * 2 * d * h,  # forward and weight gradient of every sample
-                "samples": n * n * d + 2 * n * d * h + epochs * n * n * h}  # K; P0 and X^T U; K_b U per sample
+        return first_layer_multiply_adds(samples, epochs, self.d, self.h)
 
     def sgd_form(self, samples: int, epochs: int) -> str:
         if self.first_layer != "auto":

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from dfca.models import BatchedModel, Params, in_order, masked_orders
+from dfca.models import BatchedModel, Params, first_layer_multiply_adds, in_order, masked_orders
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +150,9 @@ class TorchModel(BatchedModel):
         if sample_mask is not None:
             orders, valid = masked_orders(orders, sample_mask)
         self.module.train()
+        in_samples = valid is None and self.first_layer_form(y.shape[1], orders.shape[1]) == "samples"
         clients = max(1, self._samples_per_call(x.device) // max(1, min(batch_size, y.shape[1])))
-        if valid is None and self.first_layer_form(y.shape[1], orders.shape[1]) == "samples":
+        if in_samples:
             clients = x.shape[0]  # in sample space a client's step state is small (K, P0 and U: n x n, n x h)
         seed = int(orders[:, :, : min(4, orders.shape[2])].sum()) * 1_000_003 + orders.shape[0]
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
@@ -159,15 +160,15 @@ class TorchModel(BatchedModel):
             for lo in range(0, x.shape[0], clients):
                 rows = slice(lo, lo + clients)
                 block = {k: v[rows] for k, v in params.items()}  # views: the steps write into params
-                self._sgd_block(block, x[rows], y[rows], lr, orders[rows], batch_size, momentum,
-                                None if valid is None else valid[rows])
+                if in_samples:
+                    self._sgd_block_samples(block, x[rows], y[rows], lr, orders[rows], batch_size, momentum)
+                else:
+                    self._sgd_block(block, x[rows], y[rows], lr, orders[rows], batch_size, momentum,
+                                    None if valid is None else valid[rows])
 
     # -- the batched step ---------------------------------------------------------------------------------------
     def _sgd_block(self, params: Params, x: Tensor, y: Tensor, lr: float, orders: Tensor, bs: int,
                    momentum: float, valid: Tensor | None) -> None:
-        if valid is None and self.first_layer_form(y.shape[1], orders.shape[1]) == "samples":
-            self._sgd_block_samples(params, x, y, lr, orders, bs, momentum)
-            return
         theta = {k: params[k] for k in self.param_names}
         vel = {k: torch.zeros_like(v) for k, v in theta.items()} if momentum > 0 else None
         least = 2 if self.has_batch_norm else 1
@@ -204,8 +205,8 @@ class TorchModel(BatchedModel):
         if self.first is None:
             return "weights"
         h, d = self._shapes[f"{self.first}.weight"]
-        n = samples
-        return "samples" if n * n * d + 2 * n * d * h + epochs * n * n * h < epochs * n * 2 * d * h else "weights"
+        cost = first_layer_multiply_adds(samples, epochs, d, h)
+        return "samples" if cost["samples"] < cost["weights"] else "weights"
 
     def _sgd_block_samples(self, params: Params, x: Tensor, y: Tensor, lr: float, orders: Tensor, bs: int,
                            momentum: float) -> None:
@@ -250,11 +251,9 @@ class TorchModel(BatchedModel):
             params[b_name].add_(u.sum(1))
 
     def _rest_loss(self, theta: Params, buffers: Params, pre: Tensor, yb: Tensor) -> tuple[Tensor, Params]:
-        state = {k: v.clone() for k, v in buffers.items()}
-        frozen = {k: v.clone() for k, v in self.frozen.items()}
+        """The loss of the layers after the first, from its pre-activations."""
         assert self.rest is not None
-        output = functional_call(self.rest, (theta, state, frozen), (pre,), strict=False)
-        return self.loss(output, yb), state
+        return self._module_loss(self.rest, theta, buffers, pre, yb)
 
     def _rest_grads(self, theta: Params, buffers: Params, pre: Tensor, yb: Tensor) -> tuple[Params, Tensor, Params]:
         (grads, d_pre), state = vmap(grad(self._rest_loss, argnums=(0, 2), has_aux=True),
@@ -285,10 +284,15 @@ class TorchModel(BatchedModel):
                 params[k].copy_(v)
 
     def _loss(self, theta: Params, buffers: Params, xb: Tensor, yb: Tensor) -> tuple[Tensor, Params]:
-        """One client's loss, and its buffers as the forward left them (BatchNorm updates them in train mode)."""
+        return self._module_loss(self.module, theta, buffers, xb, yb)
+
+    def _module_loss(self, module: nn.Module, theta: Params, buffers: Params, inputs: Tensor, yb: Tensor
+                     ) -> tuple[Tensor, Params]:
+        """One client's loss through `module`, and its buffers as the forward left them (BatchNorm updates them in
+        train mode); the buffers and frozen tensors are cloned, so that the transforms see no captured mutation."""
         state = {k: v.clone() for k, v in buffers.items()}
         frozen = {k: v.clone() for k, v in self.frozen.items()}
-        output = functional_call(self.module, (theta, state, frozen), (xb,))
+        output = functional_call(module, (theta, state, frozen), (inputs,))
         return self.loss(output, yb), state
 
     def _grads(self, theta: Params, buffers: Params, xb: Tensor, yb: Tensor) -> tuple[Params, Params]:
