@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one pass on a CUDA machine (a development session's lent GPU, or yours), most
 # wanted first, so a pass cut short still returns them:
-#   1. the device-parametrised tests' cuda cases, and with a broker the runtime's end-to-end tests on both devices
+#   1. the device-parametrised tests' cuda cases, benchmarks/torch_models.py on cuda (a torch module batched over
+#      clients against a per-client loop), and with a broker the runtime's end-to-end tests on both devices
 #      (workers computing on cuda over RabbitMQ, 8-bit payloads decoded onto the GPU);
 #   2. with a broker, benchmarks/runtime_benchmark.py on the machine's cores (CPU workers) and on cuda, for the
 #      24-client config;
@@ -61,7 +62,9 @@ echo "broker: $broker"
 step "the device-parametrised tests' cuda cases"
 within 200 python3 -m pytest -q -p no:cacheprovider -k cuda -rs \
   tests/test_devices.py tests/test_driver_equivalence.py tests/test_mlp_sample_space.py tests/test_kernel_floor.py \
-  tests/test_core_aggregation.py tests/test_evaluation_metrics.py
+  tests/test_core_aggregation.py tests/test_evaluation_metrics.py tests/test_torch_models.py
+step "your own module batched over clients on cuda (the paper's CNN and the MLP as a module, against a per-client loop)"
+within 150 python3 benchmarks/torch_models.py --device cuda --out "$out/torch_models_runs.jsonl"
 if [ "$broker" = yes ]; then
   step "the runtime end to end over RabbitMQ, on the CPU and on cuda"
   within 200 env CI=true python3 -m pytest -q -p no:cacheprovider -rs tests/test_runtime_robust_rabbitmq.py
