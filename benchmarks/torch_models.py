@@ -44,6 +44,7 @@ from torch import nn
 
 from dfca.config import ExperimentConfig
 from dfca.data import build_federated_data
+from dfca.devices import resolve_device
 from dfca.heap import keep_freed_memory
 from dfca.models import MLP, BatchedModel, PaperCNN, Params, build_model, client_permutations
 from dfca.torch_model import TorchModel
@@ -343,7 +344,7 @@ def main() -> None:
         name, way = args.peak.split(":", 1)
         print(own_peak_mib(name, way, args))
         return
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
     load_before = os.getloadavg()[0]
     rows = [run_case(name, args, device) for name in args.only.split(",")]
     if device.type == "cpu":

@@ -3,6 +3,13 @@
 `cpu` and `cuda` mean what they say; `cuda` on a machine without a CUDA device is an error that names
 the setting. `auto` takes the GPU when there is one and logs once when it falls back to the CPU.
 Payloads cross the wire as CPU tensors whatever the device (dfca.wire).
+
+float32 means float32 on a GPU too: torch lets cuDNN run float32 convolutions in TF32 (a 10-bit mantissa) unless
+told otherwise, which moves a convolution's result by about 1e-3 and depends on how many clients are batched
+together, so the simulator and the message drivers (which batch different clients) would part after a step.
+Resolving a cuda device turns that off (`full_float32_convolutions`); matrix products are already full float32
+by torch's default. A user who wants TF32 speed sets `torch.backends.cudnn.conv.fp32_precision = "tf32"` in their
+model factory, and gives up that agreement.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ def resolve_device(name: str, setting: str = "device") -> torch.device:
         raise DeviceUnavailable(f"{setting}: {name!r} is not one of {', '.join(DEVICES)}")
     if name == "auto":
         if torch.cuda.is_available():
+            full_float32_convolutions()
             return torch.device("cuda")
         if not _warned_auto:
             log.info("%s: auto found no CUDA device; computing on the CPU", setting)
@@ -34,7 +42,18 @@ def resolve_device(name: str, setting: str = "device") -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise DeviceUnavailable(f"{setting}: cuda, but this machine has no CUDA device "
                                 "(torch.cuda.is_available() is False); use cpu or auto")
+    if name == "cuda":
+        full_float32_convolutions()
     return torch.device(name)
+
+
+def full_float32_convolutions() -> None:
+    """cuDNN's float32 convolutions in IEEE float32, not TF32 (see the module's docstring)."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        conv.fp32_precision = "ieee"
+    else:  # torch before 2.9
+        torch.backends.cudnn.allow_tf32 = False
 
 
 def worker_device(config_device: str, env_device: str | None) -> torch.device:
