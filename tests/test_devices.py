@@ -91,21 +91,29 @@ def test_the_simulator_keeps_every_algorithm_on_its_device(algorithm: str, devic
 def test_the_cnn_trains_on_its_device_and_both_drivers_agree(device: str) -> None:
     """model.kind: cnn (the paper's CNN, every client at once through torch.func) on 8x8 digits: it learns (chance is
     0.1), its parameters and batch-norm statistics stay on the device, and the message drivers end where the
-    simulator ends. Batched convolutions round differently for other numbers of clients (a unit in the last place of
-    a step's gradient), and this net amplifies that over rounds (4e-7 after one round, 3e-6 after two, 5e-3 after
-    four), so the drivers are compared after two rounds."""
+    simulator ends. Batched convolutions round differently for other numbers of clients, and this net amplifies
+    that over rounds. On the CPU a step differs by a unit in the last place of its gradient (4e-7 after one round,
+    3e-6 after two, 5e-3 after four), so the drivers are compared after two rounds. On a GPU cuDNN picks other
+    convolution algorithms for other batch sizes and does not repeat itself (measured on an H200, float32 in IEEE
+    precision: the simulator against itself 1.7e-5 after one round, the drivers against it 5.9e-4 after one round
+    and 1.9e-2 after two), so there they are compared after one round, within 5e-3."""
     cfg = small_config(model={"kind": "cnn"}, rounds=4, dfca={"variant": "paper"}, device=device)
     ctx = prepare(cfg)
     sim = simulate(cfg, data=ctx.data)
     assert sim.history[-1]["test_accuracy"] > 0.3
     assert {t.device.type for t in sim.algorithm.params.values()} == {torch.device(device).type}
     assert "bn1.running_mean" in sim.algorithm.params
-    two = cfg.model_copy(update={"rounds": 2})
-    sim = simulate(two, data=ctx.data)
-    run = run_lockstep(two, ctx.data, neighbours(ctx.graph), transport_factory(), 2, device=device)
+    on_gpu = torch.device(device).type == "cuda"
+    short = cfg.model_copy(update={"rounds": 1 if on_gpu else 2})
+    sim = simulate(short, data=ctx.data)
+    run = run_lockstep(short, ctx.data, neighbours(ctx.graph), transport_factory(), 2, device=device)
     for d in run.drivers:
         assert d.stats.applied > 0 and not d.stats.rejected
-        assert_rows_match(d.algorithm.params, sim.algorithm.params, d.ids)
+        if on_gpu:
+            for name, tensor in d.algorithm.params.items():
+                torch.testing.assert_close(tensor.cpu(), sim.algorithm.params[name][d.ids].cpu(), rtol=0, atol=5e-3)
+        else:
+            assert_rows_match(d.algorithm.params, sim.algorithm.params, d.ids)
 
 
 def run_worker(cfg_device: str, env_device: str | None, tmp_path: Path) -> tuple[ClientRunner, list[Any]]:
