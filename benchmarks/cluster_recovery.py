@@ -42,8 +42,8 @@ from resumable_runs import commit  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from dfca.algorithms import schedule_of  # noqa: E402
 from dfca.config import ExperimentConfig  # noqa: E402
-from dfca.schedule import RoundSchedule  # noqa: E402
 from dfca.simulator import simulate  # noqa: E402
 
 ER, BA = "erdos_renyi", "barabasi_albert"
@@ -265,7 +265,7 @@ def main() -> None:
                 elapsed: list[tuple[int, float]] = []  # (round, seconds since the run began) at each evaluation
                 result = simulate(cfg, on_round=lambda r, e=elapsed, b=began: e.append((r["round"],
                                                                                      time.perf_counter() - b)))
-                s, skip = result.summary, RoundSchedule(cfg).seeding_rounds
+                s, skip = result.summary, schedule_of(cfg).seeding_rounds
                 run = {"setting": setting["label"], "column": name, "seed": seed, "rounds": rounds,
                        "seeding_rounds": skip, "ari": s["cluster_ari"], "acc": s["test_accuracy"],
                        "populated": s["populated_clusters"], "bytes_per_round": s["bytes_sent_per_client_per_round"],

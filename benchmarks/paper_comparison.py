@@ -89,7 +89,7 @@ class Outcome:
 
 
 def robust_available() -> bool:
-    from dfca.config import DFCAConfig
+    from dfca.algorithms.dfca import DFCAConfig
 
     return "robust" in typing.get_args(DFCAConfig.model_fields["variant"].annotation)
 

@@ -40,6 +40,7 @@ from resumable_runs import commit
 
 import dfca
 from dfca import topics
+from dfca.algorithms import schedule_of
 from dfca.config import ExperimentConfig
 from dfca.data import build_federated_data
 from dfca.graph import build_graph, neighbours
@@ -100,7 +101,7 @@ def simulator_round_seconds(cfg: dict[str, Any], repeats: int = 2) -> SimulatorR
         same = [h["seconds"] - h.get("consensus_seconds", 0.0) for h in result.history[1:]]
         rounds = [(h["round"] - 1, s) for h, s in zip(result.history[1:], same, strict=True)]  # a record's: t + 1
         run = SimulatorRound(statistics.mean(h["seconds"] for h in result.history[1:]), statistics.mean(same),
-                             result.summary["test_accuracy"], cpu, seconds_by_kind(RoundSchedule(config), rounds))
+                             result.summary["test_accuracy"], cpu, seconds_by_kind(schedule_of(config), rounds))
         if best is None or run.same_work < best.same_work:
             best = run
     assert best is not None
@@ -138,7 +139,7 @@ def drivers_floor(cfg: dict[str, Any], workers: int = 3) -> DriversFloor:
                              device=config.device, workers=workers)
                for group in sharding.assignment(config.data.clients, workers).values()]
     run = LockstepRun(drivers, None)
-    rounds = RoundSchedule(config).total_rounds
+    rounds = schedule_of(config).total_rounds
 
     def summed() -> tuple[dict[str, float], dict[str, float]]:  # each phase's seconds and CPU seconds so far
         return ({p: sum(d.stats.seconds[p] for d in drivers) for p in PHASES},
@@ -301,7 +302,7 @@ def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_us
               for name, seconds in cpu[0].between(done_at[rounds[0]], done_at[rounds[-1]]).items()}
     services = {name.removeprefix("service "): v for name, v in groups.items() if name.startswith("service ")}
     cpu_per_round = {"workers": groups["workers"], "services": sum(services.values()), "broker": groups["broker"]}
-    by_phase = seconds_by_kind(RoundSchedule(ExperimentConfig.model_validate(cfg)),  # a report's round r: the
+    by_phase = seconds_by_kind(schedule_of(ExperimentConfig.model_validate(cfg)),  # a report's round r: the
                                [(r - 1, done_at[r] - done_at[before])  # schedule's round r - 1
                                 for before, r in zip(rounds, rounds[1:], strict=False)])
     return RuntimeProfile((done_at[rounds[-1]] - done_at[rounds[0]]) / (len(rounds) - 1), summary["test_accuracy"],

@@ -50,16 +50,16 @@ def measure_one(clients: int, rounds: int, degree: float, hidden: int, device: s
     """Run one N here and return its figures (called in a child process)."""
     import torch
 
+    from dfca.algorithms import schedule_of
     from dfca.config import ExperimentConfig
     from dfca.run_size import RunTooLarge, gib
-    from dfca.schedule import RoundSchedule
     from dfca.simulator import simulate
 
     cfg = ExperimentConfig.model_validate(config(clients, rounds, degree, hidden, device))
     row: dict[str, Any] = {"clients": clients, "estimated_bytes": cfg.estimated_bytes(),
                            "threads": torch.get_num_threads(), "device": device}
     phases: dict[str, list[float]] = {}
-    schedule = RoundSchedule(cfg)
+    schedule = schedule_of(cfg)
 
     def on_round(record: dict[str, Any]) -> None:  # every round is evaluated: record["round"] is t + 1
         phase = record["phase"]

@@ -41,7 +41,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from cluster_recovery import SETTINGS, claim, config, load_runs  # noqa: E402
 from resumable_runs import commit  # noqa: E402
 
-from dfca.schedule import RoundSchedule  # noqa: E402
+from dfca.algorithms import schedule_of  # noqa: E402
 from dfca.simulator import simulate  # noqa: E402
 
 ROBUST = {"variant": "robust", "seeding": "farthest"}
@@ -66,8 +66,8 @@ def run_one(setting: dict[str, Any], column: str, seed: int, rounds: int, max_tr
     cfg = config({**setting, "eval": EVAL_EVERY}, {"algorithm": "dfca", "init": "global", **COLUMNS[column]}, seed,
                  rounds, max_train)
     result = simulate(cfg)
-    s, skip = result.summary, RoundSchedule(cfg).seeding_rounds
-    total = s["bytes_sent_per_client_per_round"] * RoundSchedule(cfg).total_rounds
+    s, skip = result.summary, schedule_of(cfg).seeding_rounds
+    total = s["bytes_sent_per_client_per_round"] * schedule_of(cfg).total_rounds
     return {"setting": setting["label"], "column": column, "seed": seed, "rounds": rounds, "commit": CODE,
             "payload_dtype": cfg.runtime.payload_dtype, "ari": s["cluster_ari"], "acc": s["test_accuracy"],
             "bytes": total, "seconds": time.perf_counter() - began,

@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 
+from dfca.algorithms import schedule_of
 from dfca.config import ExperimentConfig
 from dfca.runtime.launcher import Stack, StackOptions
-from dfca.schedule import RoundSchedule
 
 TOKEN = "test-token"
 
@@ -47,7 +47,7 @@ def rotated_mnist(**overrides: Any) -> dict[str, Any]:
 
 def total_rounds(cfg: dict[str, Any]) -> int:
     """Rounds a run reports: `rounds` training rounds plus robust DFCA's seeding rounds before them."""
-    return RoundSchedule(ExperimentConfig.model_validate(cfg)).total_rounds
+    return schedule_of(ExperimentConfig.model_validate(cfg)).total_rounds
 
 
 def log_tails(state_dir: Path, lines: int = 15) -> str:

@@ -13,13 +13,13 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+from dfca.algorithms import schedule_of
 from dfca.algorithms.fedspd import FedSPD
 from dfca.cli import app
 from dfca.config import ExperimentConfig, parse_config
 from dfca.core.params import gather_clusters, scatter_clusters
 from dfca.core.soft_assignment import mixture_error
 from dfca.models import client_permutations
-from dfca.schedule import RoundSchedule
 from dfca.simulator import Simulation, prepare, simulate
 from dfca.wire import TensorSpec, body_bytes
 
@@ -116,12 +116,12 @@ def test_fedspd_mixture_estimates_track_the_true_mixtures() -> None:
 def test_fedspd_schedule_doubles_first_round_and_decays_the_learning_rate() -> None:
     cfg = small(algorithm="fedspd", train={"lr": 0.05, "local_epochs": 5},
                 fedspd={"lr_decay": 0.8, "lr_decay_every": 10})
-    schedule = RoundSchedule(cfg)
+    schedule = schedule_of(cfg)
     assert schedule.epochs(0) == 10 and schedule.epochs(1) == 5
     assert schedule.lr(9) == pytest.approx(0.05)
     assert schedule.lr(25) == pytest.approx(0.05 * 0.8**2)
     plain = small(algorithm="fedspd", fedspd={"local_epochs": 3, "double_first_round": False})
-    assert RoundSchedule(plain).epochs(0) == 3
+    assert schedule_of(plain).epochs(0) == 3
 
 
 def test_dfca_gi_beats_local_training() -> None:

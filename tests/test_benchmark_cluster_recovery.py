@@ -10,7 +10,7 @@ from types import ModuleType
 
 from rich.console import Console
 
-from dfca.schedule import RoundSchedule
+from dfca.algorithms import schedule_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,10 +35,10 @@ def test_columns_are_the_default_the_paper_rule_and_ifca() -> None:
     ifca = bench.config(setting, bench.COLUMNS["IFCA"], 0, 30, 200)
     assert robust.dfca.seeding_rule == default.dfca.seeding_rule == "farthest"  # the column is the default
     assert robust.dfca.variant == default.dfca.variant == "robust"
-    assert paper.dfca.seeding_rule == "none" and RoundSchedule(paper).seeding_rounds == 0
-    assert ifca.algorithm == "ifca" and RoundSchedule(ifca).seeding_rounds == 0
+    assert paper.dfca.seeding_rule == "none" and schedule_of(paper).seeding_rounds == 0
+    assert ifca.algorithm == "ifca" and schedule_of(ifca).seeding_rounds == 0
     assert robust.rounds == paper.rounds == ifca.rounds == 30  # equal training rounds; seeding on top
-    schedule = RoundSchedule(robust)
+    schedule = schedule_of(robust)
     assert schedule.total_rounds == 30 + schedule.seeding_rounds and schedule.seeding_rounds > 0
     # each cluster its own permutation of the 4,000 training images: 8 clients per cluster, 200 each (the cap)
     assert robust.data.permute_per_cluster and robust.data.train_per_client == 200

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from dfca.algorithms import schedule_of
 from dfca.config import ConfigError, ExperimentConfig, load_config, parse_config
-from dfca.schedule import RoundSchedule
 
 
 def test_defaults_are_valid() -> None:
@@ -59,12 +59,12 @@ def test_robust_default_seeds_before_its_training_rounds() -> None:
     cfg = parse_config({"clusters": 4, "rounds": 10, "data": {"clients": 32},
                         "topology": {"kind": "erdos_renyi", "p": 0.2}})
     assert cfg.dfca.variant == "robust" and cfg.dfca.seeding_rule == "farthest"
-    assert RoundSchedule(cfg).seeding_rounds == 4 * 5  # k x the diameter bound of ER N=32 p=0.2
-    assert RoundSchedule(cfg).total_rounds == 10 + 20
+    assert schedule_of(cfg).seeding_rounds == 4 * 5  # k x the diameter bound of ER N=32 p=0.2
+    assert schedule_of(cfg).total_rounds == 10 + 20
     flood = parse_config({**cfg.model_dump(), "dfca": {"flood_rounds": 2}})
-    assert RoundSchedule(flood).seeding_rounds == 8 and RoundSchedule(flood).total_rounds == 18
+    assert schedule_of(flood).seeding_rounds == 8 and schedule_of(flood).total_rounds == 18
     for other in ({"dfca": {"variant": "paper"}}, {"dfca": {"seeding": "none"}}, {"algorithm": "ifca"}):
         plain = parse_config({**cfg.model_dump(), **other})
-        assert RoundSchedule(plain).seeding_rounds == 0 and RoundSchedule(plain).total_rounds == 10, other
+        assert schedule_of(plain).seeding_rounds == 0 and schedule_of(plain).total_rounds == 10, other
     seeded_paper = parse_config({**cfg.model_dump(), "dfca": {"variant": "paper", "seeding": "farthest"}})
-    assert RoundSchedule(seeded_paper).seeding_rounds == 20
+    assert schedule_of(seeded_paper).seeding_rounds == 20

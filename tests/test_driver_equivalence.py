@@ -10,14 +10,13 @@ import pytest
 import torch
 
 from dfca import topics
-from dfca.algorithms import CLIENTS
+from dfca.algorithms import CLIENTS, schedule_of
 from dfca.config import KMEANS_ALGORITHMS, SERVER_CLUSTERING, ExperimentConfig
 from dfca.evaluation import cluster_ari, populated_clusters
 from dfca.graph import neighbours
 from dfca.runtime.experiments import RUNTIME_ALGORITHMS
 from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
 from dfca.runtime.message_driver import PHASES
-from dfca.schedule import RoundSchedule
 from dfca.simulator import Simulation, prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport, RabbitMQTransport
 
@@ -87,7 +86,7 @@ def test_every_algorithm_the_schema_accepts_runs_the_same_on_both_drivers(algori
     sim = simulate(cfg, data=ctx.data)
     run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 3, device=device)
     for d in run.drivers:
-        assert not d.stats.rejected and d.stats.timeouts == 0 and d.rounds_done == RoundSchedule(cfg).total_rounds
+        assert not d.stats.rejected and d.stats.timeouts == 0 and d.rounds_done == schedule_of(cfg).total_rounds
         for name, tensor in d.algorithm.state().items():
             if name.startswith("params."):
                 torch.testing.assert_close(tensor, sim.algorithm.state()[name][d.ids], rtol=1e-4, atol=1e-5)
@@ -114,7 +113,7 @@ def test_robust_drivers_match_the_simulator(init: str, hosts: int) -> None:
     """Ratio consensus over message-driven gossip steps equals the simulator's P^G (m theta) / P^G m."""
     cfg = small_config(init=init, rounds=4, dfca={"variant": "robust", "seeding": "none", "warmup_rounds": 2,
                                                   "warmup_gossip_steps": 3, "gossip_steps": 2})
-    steps = [RoundSchedule(cfg).gossip_steps(t) for t in range(cfg.rounds)]
+    steps = [schedule_of(cfg).gossip_steps(t) for t in range(cfg.rounds)]
     assert steps == [3, 3, 2, 2]
     ctx = prepare(cfg)
     sim = simulate(cfg, data=ctx.data)
@@ -153,7 +152,7 @@ def test_seeding_drivers_match_the_simulator(init: str, aggregation: str, hosts:
                              "warmup_rounds": 1, "warmup_gossip_steps": 2, "gossip_steps": 0})
     ctx = prepare(cfg)
     sim = simulate(cfg, data=ctx.data)
-    assert RoundSchedule(cfg).seeding_rounds == 6  # k * flood_rounds seeding rounds, then training
+    assert schedule_of(cfg).seeding_rounds == 6  # k * flood_rounds seeding rounds, then training
     run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), hosts)
     for d in run.drivers:
         assert not d.stats.rejected and d.stats.timeouts == 0 and d.algorithm.seeds is None  # type: ignore[attr-defined]
@@ -186,7 +185,7 @@ def test_lossy_payloads_are_rounded_alike_on_both_drivers(payload: str, device: 
     a rounding boundary.)"""
     cfg = small_config(rounds=1, dfca={"traffic": "lean", "flood_rounds": 2, "seed_epochs": 1, "gossip_steps": 1},
                        runtime={"payload_dtype": payload}, device=device)
-    assert RoundSchedule(cfg).gossip_steps(RoundSchedule(cfg).seeding_rounds) == 1
+    assert schedule_of(cfg).gossip_steps(schedule_of(cfg).seeding_rounds) == 1
     ctx = prepare(cfg)
     sim = simulate(cfg, data=ctx.data)
     run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 3, device=device)
@@ -202,7 +201,7 @@ def test_lossy_payloads_are_rounded_alike_on_both_drivers(payload: str, device: 
 def test_seeding_gives_every_client_the_same_seeds_of_distinct_clusters() -> None:
     """After k floods every client holds the same k models, each fitting one true cluster (farthest-first)."""
     cfg = small_config(rounds=1, dfca={"seeding": "farthest", "flood_rounds": 3, "seed_epochs": 40})
-    schedule = RoundSchedule(cfg)
+    schedule = schedule_of(cfg)
     assert schedule.seeding_rounds == 6 and schedule.total_rounds == 7  # the seeding comes before training
     ctx = prepare(cfg)
     sim = Simulation(ctx)
@@ -294,7 +293,7 @@ def test_a_driver_restored_from_its_checkpoint_carries_on_identically(algorithm:
     driver.save_checkpoint(path)
     clients = driver.ids
     again = client_driver(cfg, "lockstep", clients, ctx.data.subset(clients), graph, InMemoryTransport())
-    assert again.load_checkpoint(path) == RoundSchedule(cfg).total_rounds - 1
+    assert again.load_checkpoint(path) == schedule_of(cfg).total_rounds - 1
     assert again.report() == driver.report()
     if algorithm == "ifca":
         assert again.algorithm.model_round == driver.algorithm.model_round == cfg.rounds  # type: ignore[attr-defined]
@@ -323,7 +322,7 @@ def test_a_checkpoint_taken_mid_seeding_resumes_to_the_same_seeds(tmp_path: Path
     again = drivers()
     for d, path in zip(again.drivers, paths, strict=True):
         assert d.load_checkpoint(path) == 3
-    for t in range(4, RoundSchedule(cfg).total_rounds):
+    for t in range(4, schedule_of(cfg).total_rounds):
         lockstep_round(again, t)
     for d in again.drivers:
         assert_rows_match(d.algorithm.params, sim.algorithm.params, d.ids)

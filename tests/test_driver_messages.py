@@ -13,12 +13,12 @@ import torch
 from test_driver_equivalence import small_config
 
 from dfca import topics
+from dfca.algorithms import schedule_of
 from dfca.config import ExperimentConfig
 from dfca.graph import neighbours
 from dfca.runtime import message_driver
 from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round
 from dfca.runtime.message_driver import MessageDriver
-from dfca.schedule import RoundSchedule
 from dfca.simulator import prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport, Message
 from dfca.wire import Envelope, PayloadRejected, Spec, TensorSpec, encode_message
@@ -89,7 +89,7 @@ def test_threaded_drivers_with_noise_match_the_simulator() -> None:
     receivers = sum(1 for d in drivers if sender in d.heard())  # a worker checks a message once for its clients
     receivers_spoof = sum(1 for d in drivers if sender + 1 in d.heard())
     assert rejected["non_finite"] == receivers and rejected["spoofed"] == receivers_spoof
-    steps = sum(RoundSchedule(cfg).gossip_steps(t) for t in range(cfg.rounds))
+    steps = sum(schedule_of(cfg).gossip_steps(t) for t in range(cfg.rounds))
     assert sum(d.stats.applied for d in drivers) == steps * int(ctx.adjacency.sum())
     for d in drivers:
         assert d.stats.timeouts == 0
@@ -146,7 +146,7 @@ def test_gossip_step_times_out_without_a_neighbour() -> None:
         a.end_exchange()
     a.end_round()
     assert complete is False
-    assert a.stats.timeouts == RoundSchedule(cfg).gossip_steps(0)
+    assert a.stats.timeouts == schedule_of(cfg).gossip_steps(0)
     lonely = [r for r, c in enumerate(a.ids) if not any(m in a.ids for m in a.neighbours[c])]
     assert lonely and all(set(a.neighbours[a.ids[r]]) <= a.missed for r in lonely)
     for r in lonely:  # nothing arrived: num/den = theta for the trained cluster, the rest keep their copy
@@ -527,7 +527,7 @@ def test_a_workers_own_clients_messages_stay_in_the_process_and_a_broker_copy_is
     run = LockstepRun(drivers, None)
     for t in range(cfg.rounds):
         lockstep_round(run, t)
-    steps = sum(RoundSchedule(cfg).gossip_steps(t) for t in range(cfg.rounds))
+    steps = sum(schedule_of(cfg).gossip_steps(t) for t in range(cfg.rounds))
     assert sum(d.stats.applied for d in drivers) == steps * int(ctx.adjacency.sum())
     for d, counts in zip(drivers, decoded, strict=True):
         assert counts and not set(counts) & set(d.ids), (d.ids, counts)  # only other workers' clients decoded

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from dfca.algorithms import schedule_of
 from dfca.config import ExperimentConfig, RuntimeConfig
-from dfca.schedule import RoundSchedule
 from dfca.simulator import simulate
 
 
@@ -46,7 +46,7 @@ def test_the_default_recovers_the_clusters_at_most_at_twice_the_paper_rules_byte
     def run(variant: str) -> tuple[float, float]:
         cfg = sparse_config(variant)
         summary = simulate(cfg).summary
-        return summary["cluster_ari"], summary["bytes_sent_per_client_per_round"] * RoundSchedule(cfg).total_rounds
+        return summary["cluster_ari"], summary["bytes_sent_per_client_per_round"] * schedule_of(cfg).total_rounds
 
     default = ExperimentConfig.model_validate({"dfca": {}})
     assert (default.dfca.variant, default.dfca.traffic, default.runtime.payload_dtype) == ("robust", "lean", "int8")
@@ -62,12 +62,12 @@ def test_the_default_recovers_the_clusters_at_most_at_twice_the_paper_rules_byte
 def test_robust_schedule_and_traffic() -> None:
     cfg = sparse_config("robust", rounds=3, dfca={"variant": "robust", "warmup_rounds": 2,
                                                   "warmup_gossip_steps": 4, "gossip_steps": 0})
-    schedule = RoundSchedule(cfg)  # the warm-up counts from the first training round, after the seeding
+    schedule = schedule_of(cfg)  # the warm-up counts from the first training round, after the seeding
     assert [schedule.gossip_steps(schedule.seeding_rounds + t) for t in range(3)] == [4, 4, 0]
-    lean = RoundSchedule(sparse_config("robust", rounds=12))  # every 5th round gossips, counted back from the last
+    lean = schedule_of(sparse_config("robust", rounds=12))  # every 5th round gossips, counted back from the last
     assert [lean.gossip_steps(lean.seeding_rounds + t) for t in range(12)] == [0, 5, 0, 0, 0, 0, 5, 0, 0, 0, 0, 5]
     assert schedule.seeding_rounds > 0 and schedule.gossip_steps(schedule.seeding_rounds - 1) == 0
-    assert RoundSchedule(sparse_config("paper")).gossip_steps(0) == 0
+    assert schedule_of(sparse_config("paper")).gossip_steps(0) == 0
     small = sparse_config("robust", rounds=1, data={"dataset": "digits", "rotations": [0, 180], "clients": 10,
                                                     "train_per_client": 20, "test_per_client": 5},
                           topology={"kind": "ring"},
@@ -79,7 +79,7 @@ def test_robust_schedule_and_traffic() -> None:
     assert training["phase"] == "training"
     assert 2 * 4 * 2 * one_model < training["bytes_sent_per_client"] < 2 * 4 * 2 * one_model * 1.05
     # the summary averages over every round, the seeding rounds (one model to each neighbour, or nothing) included
-    rounds = RoundSchedule(small).total_rounds
+    rounds = schedule_of(small).total_rounds
     assert result.simulation.rounds_run == rounds
     assert result.summary["bytes_sent_per_client_per_round"] == pytest.approx(result.simulation.total_bytes / rounds)
     assert result.summary["bytes_sent_per_client_per_round"] < training["bytes_sent_per_client"] / 2

@@ -42,13 +42,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from dfca import principals, topics
+from dfca.algorithms import schedule_of
 from dfca.config import ExperimentConfig
 from dfca.graph import build_graph
 from dfca.models import build_model
 from dfca.principals import host_of
 from dfca.runtime.launcher import Stack
 from dfca.runtime.sharding import clients_of
-from dfca.schedule import RoundSchedule
 from dfca.simulator import simulate
 from dfca.wire import Envelope, TensorSpec, encode_message, sha256
 
@@ -78,7 +78,7 @@ def simulated() -> dict[str, Any]:
 def bad_model_messages(experiment: str, sender: int, impostor: int) -> list[tuple[str, str, bytes, dict[str, str]]]:
     """(reason, routing key, body, headers): garbage, wrong shapes, NaN weights, spoofed sender; each a seed
     candidate of round 1 (a seeding round of the default DFCA), so only its payload or sender is wrong."""
-    assert RoundSchedule(ExperimentConfig.model_validate(rotated_mnist())).seeding(1) is not None
+    assert schedule_of(ExperimentConfig.model_validate(rotated_mnist())).seeding(1) is not None
     shapes = build_model("mlp", (1, 28, 28), 64, 10).shapes()
     spec = {**{n: TensorSpec(s) for n, s in shapes.items()}, "score": TensorSpec((), "float64"),
             "origin": TensorSpec((), "int64")}

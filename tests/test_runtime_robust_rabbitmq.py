@@ -22,9 +22,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from test_driver_equivalence import DEVICES
 
+from dfca.algorithms import schedule_of
 from dfca.config import ExperimentConfig
 from dfca.runtime.launcher import Stack
-from dfca.schedule import RoundSchedule
 from dfca.simulator import simulate
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
@@ -98,5 +98,5 @@ def test_the_lean_default_recovers_the_clusters_and_counts_the_simulators_bytes(
     assert summary["test_accuracy"] == pytest.approx(sim["test_accuracy"], abs=0.03)
     per_round = summary["bytes_sent_per_client_per_round"]
     assert per_round == pytest.approx(sim["bytes_sent_per_client_per_round"], rel=0.02)
-    rounds = RoundSchedule(validated).total_rounds
+    rounds = schedule_of(validated).total_rounds
     assert prometheus_bytes(api, experiment) == pytest.approx(per_round * 24 * rounds, rel=1e-6)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from test_driver_equivalence import config_for, small_config, transport_factory
 
+from dfca.algorithms import schedule_of
 from dfca.graph import neighbours
 from dfca.runtime.lockstep import run_lockstep
-from dfca.schedule import RoundSchedule
 from dfca.simulator import prepare, simulate
 
 
@@ -19,7 +19,7 @@ def both_drivers(cfg):  # type: ignore[no-untyped-def]
     simulated = simulate(cfg, data=ctx.data).summary["bytes_sent_per_client_per_round"]
     run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 2)
     sent = sum(d.take_bytes_sent() for d in run.drivers)
-    return simulated, sent / cfg.data.clients / RoundSchedule(cfg).total_rounds
+    return simulated, sent / cfg.data.clients / schedule_of(cfg).total_rounds
 
 
 @pytest.mark.parametrize("cfg", [

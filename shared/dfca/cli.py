@@ -12,10 +12,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from dfca.algorithms import schedule_of
 from dfca.config import ConfigError, ExperimentConfig, load_config
 from dfca.devices import DeviceUnavailable, resolve_device
 from dfca.run_folder import OutFolderRefused, prepare_out, written_files
-from dfca.schedule import RoundSchedule
 
 app = typer.Typer(add_completion=False, help="Decentralized clustered federated learning (DFCA and baselines).")
 console = Console(stderr=True)
@@ -125,7 +125,7 @@ def run(
                   f"{cfg.rounds} rounds{seeding_note(cfg)}{stop_note(cfg)}, {cfg.topology.kind} graph -> {out}")
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console) as progress:
-        task = progress.add_task("rounds", total=RoundSchedule(cfg).total_rounds, status="")
+        task = progress.add_task("rounds", total=schedule_of(cfg).total_rounds, status="")
 
         def on_round(record: dict[str, Any]) -> None:
             log.write(record)
@@ -145,7 +145,7 @@ def run(
         progress.update(task, total=ran, completed=ran)  # a run that stopped itself early ends a full bar
     write_summary(out, result.summary, cfg)
     save_models(out, result.final_models, result.assigned.tolist())
-    plot_history(out, result.history, cfg.name, RoundSchedule(cfg).seeding_rounds)
+    plot_history(out, result.history, cfg.name, schedule_of(cfg).seeding_rounds)
     Console().print(results_table(result.summary))
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
@@ -254,11 +254,11 @@ def round_status(record: dict[str, Any]) -> str:
 
 
 def stop_note(cfg: ExperimentConfig) -> str:
-    return " at most (FedCRef stops when its communities settle)" if cfg.algorithm == "fedcref" else ""
+    return cfg.algorithm_class.rounds_note(cfg)
 
 
 def seeding_note(cfg: ExperimentConfig) -> str:
-    seeding = RoundSchedule(cfg).seeding_rounds
+    seeding = schedule_of(cfg).seeding_rounds
     return f" after {seeding} rounds of farthest-first seeding (dfca.seeding)" if seeding else ""
 
 

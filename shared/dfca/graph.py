@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 import networkx as nx
 import numpy as np
 import torch
 from torch import Tensor
 
-from dfca.config import TopologyConfig
+if TYPE_CHECKING:
+    from dfca.config import TopologyConfig
+
 
 
 def build_graph(topology: TopologyConfig, n: int, seed: int) -> nx.Graph:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dfca.config import KMEANS_ALGORITHMS, ExperimentConfig
+from dfca.config import ExperimentConfig
 from dfca.data.shapes import sample_shape
 from dfca.settings import env
 
@@ -170,7 +170,7 @@ def count_values(module: nn.Module) -> int:
 def check_config_model(cfg: ExperimentConfig, allowed: Sequence[str] | None = None) -> None:
     """Refuse (ModelFactoryError) a `kind: torch` config whose factory cannot make a module that fits its data, before
     any data is read: `dfca validate` and `dfca run` with `allowed` None, the topology service with its allow-list."""
-    if cfg.model.kind != "torch" or cfg.algorithm in (*KMEANS_ALGORITHMS, "fedcref"):  # they train no classifier
+    if cfg.model.kind != "torch" or not cfg.algorithm_class.trains_classifier:  # k-means, autoencoders
         return
     assert cfg.model.factory is not None  # the schema requires it with kind torch
     shape, classes = sample_shape(cfg.data)

@@ -171,9 +171,9 @@ def register(app: typer.Typer) -> None:
 
 
 def write_results(client: RuntimeClient, experiment: str, record: dict[str, Any], out: Path) -> None:
+    from dfca.algorithms import schedule_of
     from dfca.config import ExperimentConfig
     from dfca.outputs import plot_history
-    from dfca.schedule import RoundSchedule
 
     summary = client.summary(experiment)
     if summary is None:
@@ -193,7 +193,7 @@ def write_results(client: RuntimeClient, experiment: str, record: dict[str, Any]
             (out / name).write_bytes(content)
     elif evaluated := [h for h in history if "test_accuracy" in h or "gcd" in h]:  # an older metrics service
         cfg = ExperimentConfig.model_validate(record["config"])
-        plot_history(out, evaluated, cfg.name, RoundSchedule(cfg).seeding_rounds)
+        plot_history(out, evaluated, cfg.name, schedule_of(cfg).seeding_rounds)
     if not models:
         console.print(f"[yellow]note:[/] {experiment} has no final models ({record['status']}): workers send them "
                       "when their clients finish the last round")

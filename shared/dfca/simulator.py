@@ -26,9 +26,8 @@ import torch
 from torch import Tensor
 
 from dfca import principals, topics
-from dfca.algorithms import Algorithm, Exchange, HostContext, Inbox, Outbox, clients_of, server_of
+from dfca.algorithms import Algorithm, Exchange, HostContext, Inbox, Outbox, clients_of, schedule_of, server_of
 from dfca.algorithms.base import SERVER, Evaluation, check_finite, report_of
-from dfca.algorithms.dfca import warn_if_flood_too_short
 from dfca.collapse import CollapseWatch
 from dfca.config import ExperimentConfig
 from dfca.data import FederatedData, build_federated_data
@@ -45,7 +44,6 @@ from dfca.graph import adjacency_matrix, build_graph, neighbours
 from dfca.heap import keep_freed_memory
 from dfca.models import BatchedModel, Params, model_from_config
 from dfca.run_size import check_fits_memory
-from dfca.schedule import RoundSchedule
 from dfca.wire import PAYLOAD_DTYPES, Envelope, as_received, body_bytes, headers_of, message_bytes
 
 log = logging.getLogger(__name__)
@@ -99,7 +97,7 @@ class Simulation:
 
     def __init__(self, ctx: SimContext) -> None:
         cfg = ctx.cfg
-        self.ctx, self.schedule = ctx, RoundSchedule(cfg)
+        self.ctx, self.schedule = ctx, schedule_of(cfg)
         graph = neighbours(ctx.graph)
         self.algorithm = clients_of(HostContext(cfg, ctx.model, ctx.data, list(range(ctx.n)), graph, ctx.device, True))
         self.server = server_of(HostContext(cfg, ctx.model, None, [SERVER], graph, ctx.device, True))
@@ -109,7 +107,7 @@ class Simulation:
         self.late: tuple[str, Tensor, Outbox, int] | None = None  # a round's late messages, kept for the next
         self.round_bytes = 0.0  # payload bytes a client sent in the last round (all receivers), mean over clients
         self.total_bytes, self.rounds_run = 0.0, 0  # the same summed over the run's rounds, and how many ran
-        if self.schedule.seeding_rounds and (warning := warn_if_flood_too_short(ctx.graph, self.schedule.flood_rounds)):
+        if warning := self.algorithm.graph_warning(ctx.graph):
             log.warning(warning)
 
     @property
@@ -272,7 +270,7 @@ def simulate(
     sim = Simulation(prepare(cfg, data))
     schedule = sim.schedule
     sample = torch.Generator().manual_seed(cfg.seed * 31 + 2)
-    watch = CollapseWatch(cfg.clusters if cfg.algorithm != "dpmm_cfl" else 1)  # DPMM-CFL infers K
+    watch = CollapseWatch(1 if type(sim.algorithm).infers_clusters else cfg.clusters)
     history: list[dict[str, Any]] = []
     for t in range(schedule.total_rounds):
         t0 = time.perf_counter()
@@ -323,11 +321,11 @@ def build_summary(
     return {
         "name": cfg.name,
         "algorithm": cfg.algorithm,
-        "variant": cfg.dfca.variant if cfg.algorithm == "dfca" else None,
+        "variant": cfg.algorithm_class.variant(cfg),
         "init": cfg.init,
         "aggregation": cfg.aggregation,
         "rounds": cfg.rounds,
-        "seeding_rounds": RoundSchedule(cfg).seeding_rounds,
+        "seeding_rounds": schedule_of(cfg).seeding_rounds,
         "clients": int(truth.numel()),
         "clusters": cfg.clusters,
         "seed": cfg.seed,

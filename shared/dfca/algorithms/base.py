@@ -22,18 +22,23 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
 
 from dfca import topics
-from dfca.config import ExperimentConfig
 from dfca.core import accuracy_with, loss_matrix
 from dfca.data import FederatedData
 from dfca.models import BatchedModel, Params
 from dfca.schedule import RoundSchedule
+from dfca.sections import Strict
 from dfca.wire import PAYLOAD_DTYPES, TensorSpec, as_received, model_as_received
+
+if TYPE_CHECKING:
+    import networkx as nx
+
+    from dfca.config import ExperimentConfig
 
 Side = Literal["clients", "server"]
 SERVER = topics.SERVER_SENDER  # the sender id of a central role
@@ -147,9 +152,49 @@ class Algorithm(ABC):
     clusters_clients: ClassVar[bool] = True  # it assigns clients to clusters (k-means clusters their points)
     k: int = 1  # models per client; a message's part lies in 0..k-1
 
+    # -- what the registry, the schema and the drivers read of an algorithm's clients class ----------------------
+    title: ClassVar[str] = ""  # its name in messages (its paper's)
+    central_role: ClassVar[type[Algorithm] | None] = None  # the server side, run by the aggregator
+    section: ClassVar[str | None] = None  # the key of its config section (`dfca:`), whose model is `Section`
+    Section: ClassVar[type[Strict] | None] = None
+    Schedule: ClassVar[type[RoundSchedule]] = RoundSchedule  # its rounds, learning rates and local epochs
+    infers_clusters: ClassVar[bool] = False  # it infers K itself (the collapse watch then expects one cluster)
+    trains_classifier: ClassVar[bool] = True  # its model is a classifier of model.kind (a `kind: torch` factory)
+    feature_vectors: ClassVar[bool] = False  # it clusters feature vectors (blobs or projected images), not images
+    partition: ClassVar[str | None] = None  # the data.partition it needs, which no other algorithm takes
+    client_per_cluster: ClassVar[bool] = False  # it needs at least as many clients as clusters
+
+    @classmethod
+    def config_defaults(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """The config as given (before validation) with the defaults this algorithm implies for other sections."""
+        return data
+
+    @classmethod  # noqa: B027 - an optional hook
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        """Raise ValueError (naming the field) when `cfg`'s other sections do not suit this algorithm."""
+
+    @classmethod
+    def extra_model_copies(cls, cfg: ExperimentConfig) -> int:
+        """Model copies per client beyond the k its state holds (for the run's memory estimate, dfca.run_size)."""
+        return 0
+
+    @classmethod
+    def variant(cls, cfg: ExperimentConfig) -> str | None:
+        """Which of its rules `cfg` runs, as a run's summary names it (None: it has one)."""
+        return None
+
+    @classmethod
+    def rounds_note(cls, cfg: ExperimentConfig) -> str:
+        """What `dfca run` adds after the number of rounds (an algorithm that stops on its own says so)."""
+        return ""
+
+    def graph_warning(self, graph: nx.Graph) -> str | None:
+        """A warning about the drawn communication graph for this run (the simulator logs it), or None."""
+        return None
+
     def __init__(self, ctx: HostContext) -> None:
         self.ctx = ctx
-        self.schedule = RoundSchedule(ctx.cfg)
+        self.schedule = schedule_of(ctx.cfg)
         self.refused: Counter[str] = Counter()  # arrivals `receive` would not use, by reason (both drivers count them)
         self.screened = 0  # (arrival, cluster) pairs screened gossip dropped (core.screened_gossip)
 
@@ -256,6 +301,33 @@ class Algorithm(ABC):
         loss = losses.gather(1, assigned.unsqueeze(1)).squeeze(1)
         return Evaluation(assigned, acc, loss, params if keeps_k else None)
 
+
+
+# -- the registry: the clients class of every algorithm, by config name (filled by dfca.algorithms) ------------
+CLIENTS: dict[str, type[Algorithm]] = {}
+
+
+def register(name: str, algorithm: type[Algorithm]) -> None:
+    """Make `algorithm` (its clients class) the algorithm `name`: what `algorithm: <name>` in a config runs."""
+    if not name.isidentifier():
+        raise ValueError(f"algorithm name {name!r} is not an identifier (it names a config section's owner)")
+    CLIENTS[name] = algorithm
+
+
+def unregister(name: str) -> None:
+    """Forget the algorithm `name` (a test's own algorithm, after the test)."""
+    CLIENTS.pop(name, None)
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    if name not in CLIENTS:
+        raise ValueError(f"algorithm: {name!r} is not implemented yet (available: {sorted(CLIENTS)})")
+    return CLIENTS[name]
+
+
+def schedule_of(cfg: ExperimentConfig) -> RoundSchedule:
+    """The round schedule of `cfg`: its algorithm's `Schedule`."""
+    return algorithm_class(cfg.algorithm).Schedule(cfg)
 
 class RunDiverged(RuntimeError):
     """The models stopped being finite numbers: training diverged (a learning rate too large for the data)."""

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import networkx as nx
 import torch
+from pydantic import Field, model_validator
 from torch import Tensor
 
 from dfca.algorithms.base import (
@@ -63,14 +66,214 @@ from dfca.core.params import gather_clusters
 from dfca.core.screened_gossip import Screen, displacement
 from dfca.core.seeding import SeedCandidates, first_slot_scores, fit_scores, refused_candidates, responds_to_input
 from dfca.models import Params
+from dfca.run_size import SCREEN_COPIES
+from dfca.schedule import RoundSchedule, diameter_bound
+from dfca.sections import Strict
 from dfca.wire import TensorSpec
+
+if TYPE_CHECKING:
+    from dfca.config import ExperimentConfig
 
 SCREEN_SAMPLES = 64  # samples per client that screened gossip's loss test evaluates an estimate on
 DUPLICATE_AGREEMENT = 0.99  # a seed candidate predicting what an installed seed predicts this often is its copy
 
 
+# -- the config section `dfca:` ---------------------------------------------------------------------------------
+FULL_TRAFFIC = {"warmup_rounds": 8, "gossip_every": 1, "gossip_steps": 3}  # the robust schedule before `lean`
+
+
+def traffic_of(dfca: Any) -> str:
+    """The traffic preset a DFCA section (a dict as given, or a DFCAConfig) asks for."""
+    if not isinstance(dfca, dict):
+        return str(dfca.traffic)
+    return str(dfca.get("traffic", "full" if dfca.get("screen") else "lean"))
+
+
+class DFCAConfig(Strict):
+    """DFCA's rules: the paper's, or the robust variant (see README "Cluster recovery").
+
+    paper:  eq. 7/8 as written; a client sends only its assigned model; its own copy always counts.
+    robust: farthest-first seeding, then rounds of G steps of ratio consensus over all k clusters
+            (core.consensus): cluster j becomes the mean of the copies trained this round, as IFCA's
+            server computes it, approximated over the graph. G = `warmup_gossip_steps` in the first
+            `warmup_rounds` rounds, `gossip_steps` in every `gossip_every`-th round after (counted back
+            from the last); the other rounds merge one hop (eq. 7/8 with the `fresh` rule).
+
+    `traffic` picks the robust schedule's defaults (a key the config names wins):
+      lean (default): warmup_rounds 0, gossip_every 5, gossip_steps 5, and 8-bit payloads
+            (runtime.payload_dtype int8): 0.9-1.5x the paper rule's bytes (docs/traffic.md);
+      full: warmup_rounds 8, gossip_every 1, gossip_steps 3, float32 payloads: consensus every round,
+            10-20x the paper rule's bytes (the default before lean). `screen: true` implies full: the screen guards
+            gossip, not one-hop merges.
+    """
+
+    variant: Literal["paper", "robust"] = "robust"
+    traffic: Literal["lean", "full"] = Field(
+        "lean", description="robust: lean gossips 5 steps every 5th round with 8-bit payloads, about the paper rule's "
+        "bytes; full gossips 3 steps every round (10 in 8 warm-up rounds) in float32 (10-20x); a key the config "
+        "names wins",
+    )
+    merge: Literal["paper", "fresh"] | None = Field(
+        None, description="paper: eq. 7 keeps the own copy; fresh: an untrained cluster takes only what arrived"
+    )
+    warmup_rounds: int = Field(0, ge=0, le=100_000, description="robust: rounds of the warm-up (traffic full: 8)")
+    warmup_gossip_steps: int = Field(10, ge=1, le=1000, description="robust: gossip steps per warm-up round")
+    gossip_steps: int = Field(5, ge=0, le=1000, description="robust: gossip steps per gossip round after the warm-up "
+                              "(traffic full: 3)")
+    gossip_every: int = Field(
+        5, ge=1, le=100_000, description="robust: after the warm-up, every gossip_every-th round gossips (counted "
+        "back from the last round, which always does); the others merge one hop (eq. 7/8, the fresh rule); "
+        "traffic full: 1",
+    )
+    untrained_weight: float = Field(
+        0.0, ge=0.0, le=1.0, description="robust: weight of a cluster copy its client did not train this round"
+    )
+    screen: bool = Field(
+        False,
+        description="robust: screened gossip against lying neighbours (core.screened_gossip): weights held to what "
+        "an honest client can send, estimates far from the receiver's model of last round or (for its own cluster) "
+        "much worse on its own data dropped; costs a copy of the models and a loss per arrival",
+    )
+    screen_radius: float = Field(
+        3.0, gt=0.0, le=1000.0,
+        description="screen: drop an estimate farther from last round's model than this many times the distance "
+        "the receiver's own training moved its model this round",
+    )
+    screen_trim: float = Field(
+        0.0, ge=0.0, lt=0.5,
+        description="screen: each gossip step's estimate is the coordinate-wise mean of the kept estimates with this "
+        "fraction cut from each end (W-MSR; about 3x the gossip's cost); 0: their weighted mean, as ratio consensus",
+    )
+    screen_loss: float = Field(
+        0.5, ge=0.0, le=100.0,
+        description="screen: drop an estimate of the receiver's own cluster whose loss on its data exceeds "
+        "max((1 + screen_loss) x, x + screen_loss), x the loss of its model of last round, or chance (ln classes)",
+    )
+    seeding: Literal["none", "farthest"] | None = Field(
+        None,
+        description="farthest: before training, agree on k seed models by farthest-first max-flooding "
+        "(core.seeding, DFCASchedule): each seed is the local model of the client the earlier seeds fit worst; "
+        "None: farthest for variant robust, none for variant paper",
+    )
+    seed_epochs: int = Field(10, ge=0, le=10_000,
+                             description="seeding: local epochs that train each client's candidate")
+    flood_rounds: int | None = Field(
+        None, ge=1, le=100_000, description="seeding: rounds per seed slot (>= the graph's diameter); None: a bound "
+        "from topology and clients (dfca.schedule.diameter_bound)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _traffic_preset(cls, data: Any) -> Any:
+        """traffic: full (or screen: true, unless traffic is named) fills the keys the config leaves out with the
+        full schedule's values."""
+        if not isinstance(data, dict) or traffic_of(data) != "full":
+            return data
+        return {**FULL_TRAFFIC, "traffic": "full", **data}
+
+    @property
+    def merge_rule(self) -> str:
+        return self.merge or ("fresh" if self.variant == "robust" else "paper")
+
+    @property
+    def seeding_rule(self) -> str:
+        return self.seeding or ("farthest" if self.variant == "robust" else "none")
+
+
+# -- the schedule: seeding rounds, then training rounds that gossip or merge one hop ----------------------------
+@dataclass(frozen=True)
+class SeedingStep:
+    """Where a seeding round sits: which slot is flooding and which of its rounds this is."""
+
+    slot: int
+    step: int
+    rounds_per_slot: int
+
+    @property
+    def first(self) -> bool:
+        return self.step == 0
+
+    @property
+    def last(self) -> bool:
+        return self.step == self.rounds_per_slot - 1
+
+
+class DFCASchedule(RoundSchedule):
+    """Rounds 0 .. seeding_rounds - 1 are robust DFCA's farthest-first seeding (core.seeding): k slots of
+    `flood_rounds` rounds each, no training. The `cfg.rounds` training rounds follow. A training round
+    merges by ratio consensus over G gossip steps (robust DFCA, core.consensus) or by the one-hop merge
+    (eq. 7/8: the paper's rule, or robust with `gossip_steps: 0` after the warm-up). The warm-up counts
+    from the first training round."""
+
+    def __init__(self, cfg: ExperimentConfig) -> None:
+        self.flood_rounds = cfg.dfca.flood_rounds or min(diameter_bound(cfg.topology, cfg.data.clients),
+                                                         cfg.data.clients - 1)
+        super().__init__(cfg)
+
+    def preparation_rounds(self) -> int:
+        return self.cfg.clusters * self.flood_rounds if self.cfg.dfca.seeding_rule == "farthest" else 0
+
+    def seeding(self, t: int) -> SeedingStep | None:
+        """The seeding step of round t, or None for a training round."""
+        if t >= self.seeding_rounds:
+            return None
+        return SeedingStep(t // self.flood_rounds, t % self.flood_rounds, self.flood_rounds)
+
+    def gossip_steps(self, t: int) -> int:
+        """G_t, gossip steps of ratio consensus in round t; 0 means a one-hop merge (eq. 7/8). After the warm-up,
+        every `gossip_every`-th training round gossips, counted back from the last (which always does)."""
+        d = self.cfg.dfca
+        if d.variant != "robust" or t < self.seeding_rounds:
+            return 0
+        u = t - self.seeding_rounds  # the training round
+        if u < d.warmup_rounds:
+            return d.warmup_gossip_steps
+        return d.gossip_steps if (self.cfg.rounds - 1 - u) % d.gossip_every == 0 else 0
+
+    def agrees_on_initial_models(self, t: int) -> bool:
+        """Robust DFCA-LI without seeding spends round 0 agreeing on initial models instead of training
+        (see the module's docstring): averaging independently initialised networks destroys them."""
+        return t == 0 and self.cfg.init == "local" and self.gossip_steps(0) > 0
+
+    def epochs(self, t: int) -> int:
+        """Local epochs of round t: seed_epochs once, at the first seeding round; none in a seeding round after it
+        or an agreement round; else train.local_epochs."""
+        if t < self.seeding_rounds:
+            return self.cfg.dfca.seed_epochs if t == 0 else 0
+        if self.agrees_on_initial_models(t):
+            return 0
+        return super().epochs(t)
+
+
 class DFCA(Algorithm):
     links = frozenset({"neighbours"})
+    title = "DFCA"
+    section, Section, Schedule = "dfca", DFCAConfig, DFCASchedule
+    client_per_cluster = True
+    schedule: DFCASchedule
+
+    @classmethod
+    def config_defaults(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Robust DFCA with traffic lean sends 8-bit payloads unless runtime.payload_dtype is named."""
+        dfca, runtime = data.get("dfca", {}), data.get("runtime", {})
+        variant = dfca.get("variant", "robust") if isinstance(dfca, dict) else dfca.variant
+        given = runtime if isinstance(runtime, dict) else runtime.model_dump(exclude_unset=True)
+        if variant != "robust" or traffic_of(dfca) != "lean" or "payload_dtype" in given:
+            return data
+        return {**data, "runtime": {**given, "payload_dtype": "int8"}}
+
+    @classmethod
+    def extra_model_copies(cls, cfg: ExperimentConfig) -> int:
+        return SCREEN_COPIES if cfg.dfca.screen else 0
+
+    @classmethod
+    def variant(cls, cfg: ExperimentConfig) -> str | None:
+        return cfg.dfca.variant
+
+    def graph_warning(self, graph: nx.Graph) -> str | None:
+        if not self.schedule.seeding_rounds:
+            return None
+        return warn_if_flood_too_short(graph, self.schedule.flood_rounds)
 
     def __init__(self, ctx: HostContext) -> None:
         super().__init__(ctx)

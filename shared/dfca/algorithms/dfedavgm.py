@@ -33,6 +33,7 @@ from dfca.wire import TensorSpec
 
 class DFedAvgM(Algorithm):
     links = frozenset({"neighbours"})
+    title = "DFedAvgM"
 
     def __init__(self, ctx: HostContext) -> None:
         super().__init__(ctx)
@@ -101,6 +102,7 @@ class LocalOnly(DFedAvgM):
     """`local`: every client trains its own model on its own data and never communicates."""
 
     links = frozenset()
+    title = "local training"
 
     def exchanges(self, t: int) -> list[Exchange]:
         return []

@@ -27,13 +27,51 @@ What the paper leaves open, each a `dpmm:` option (defaults in brackets):
 from __future__ import annotations
 
 from collections import Counter
+from typing import Annotated, Literal
 
 import torch
+from pydantic import Field
 
 from dfca.algorithms.base import HostContext
-from dfca.algorithms.server_clustering import ClusteringServer, generator_for
+from dfca.algorithms.server_clustering import ClusteredClients, ClusteringServer, generator_for
 from dfca.core.dpmm import DPMMSampler, NormalNormal, canonical, nearest_neighbour_variance, pooled_variance
 from dfca.models import Params
+from dfca.sections import Strict
+
+
+# -- the config section `dpmm:` ----------------------------------------------------------------------------------
+class DPMMConfig(Strict):
+    """DPMM-CFL (Sec. 2-3 of the paper; see algorithms.dpmm_cfl for what the paper leaves open)."""
+
+    alpha: float = Field(1.0, gt=0.0, le=1e6, description="DP concentration: how readily new clusters open")
+    sigma0: float = Field(1.0, gt=0.0, le=1e6, description="G0 = N(0, sigma0^2 I), the base measure")
+    likelihood_var: Annotated[float, Field(gt=0.0, le=1e12)] | Literal["nearest", "pooled"] = Field(
+        "pooled", description="s in Sigma = s I, the likelihood covariance (it drives the inferred K), or a rule "
+        "that sets it every round: pooled, the within-cluster variance per dimension under the chain's starting "
+        "assignments; nearest, the median squared distance from a client to its nearest other client / 2d",
+    )
+    sampler: Literal["split_merge", "gibbs"] = Field(
+        "split_merge", description="split_merge: Jain-Neal restricted Gibbs split-merge plus Gibbs scans; gibbs: "
+        "collapsed Gibbs scans only (for comparison)",
+    )
+    sweeps: int = Field(3, ge=1, le=10_000, description="sampler sweeps per round")
+    proposals: int = Field(20, ge=0, le=100_000, description="split-merge proposals per sweep")
+    gibbs_scans: int = Field(1, ge=0, le=1000, description="collapsed Gibbs scans per sweep")
+    launch_scans: int = Field(5, ge=0, le=1000, description="t: restricted Gibbs scans that build a launch state")
+    restart: Literal["previous", "one_cluster"] = Field(
+        "previous", description="the chain starts from last round's assignments, or from one cluster every round"
+    )
+    weighting: Literal["samples", "uniform"] = Field(
+        "samples", description="cluster model: eq. (3), weights n_i / N_k; or Algorithm 1's 1 / m_k"
+    )
+    new_cluster: Literal["members", "parent", "random"] = Field(
+        "members", description="a cluster that opens this round starts from the average of its members' models "
+        "(eq. 3), from the model its members came from, or from a fresh random model",
+    )
+    representation: Literal["last_layer", "all"] = Field(
+        "last_layer", description="what the sampler clusters: the final layer's weights and bias (the paper), or "
+        "every parameter",
+    )
 
 
 class DPMMServer(ClusteringServer):
@@ -92,3 +130,12 @@ class DPMMServer(ClusteringServer):
             for n in models:
                 models[n][k] = start[n]
 
+
+
+class DPMMClients(ClusteredClients):
+    """DPMM-CFL's clients: ClusteredClients, their server DPMMServer; the sampler infers K."""
+
+    title = "DPMM-CFL"
+    central_role = DPMMServer
+    section, Section = "dpmm", DPMMConfig
+    infers_clusters = True

@@ -54,19 +54,23 @@ Where the paper leaves a choice open (each measured in docs/fedcref.md):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from dfca.algorithms.base import Algorithm, Evaluation, Exchange, Graph, HostContext, Inbox, Outbox, params_in, state_of
-from dfca.config import ExperimentConfig
 from dfca.core import autoencoder as ae
 from dfca.core.cluster_refinement import agreement, communities, dirty_labels, merged_communities, reconstructs, refine
 from dfca.data import FederatedData
-from dfca.data.categories import category_range
+from dfca.data.categories import MAX_CATEGORIES_PER_CLIENT, category_range
+from dfca.sections import Strict
 from dfca.wire import TensorSpec
+
+if TYPE_CHECKING:
+    from dfca.config import ExperimentConfig
 
 MODELS, ASSOCIATIONS, FEDAVG, MERGES = "models", "associations", "fedavg", "merges"
 VOTE_BITS = 62  # community votes per int64 word
@@ -93,9 +97,85 @@ def unbits(words: Tensor, k: int) -> Tensor:
     return (words.unsqueeze(-1) >> torch.arange(k, device=words.device)) & 1 == 1
 
 
+# -- the config section `fedcref:` and what FedCRef asks of the others ---------------------------------------------
+MAX_FEDCREF_CLIENTS = 1000
+
+class FedCRefConfig(Strict):
+    """FedCRef (Nardi, Valerio and Passarella; algorithms.fedcref): cluster-wise federated autoencoders."""
+
+    init: Literal["dirty", "kmeans"] = Field(
+        "dirty", description="the initial local clustering: dirty, the true categories with each sample moved to a "
+        "wrong cluster with probability `dirtiness` (Tables 3-4); kmeans, k-means on a local autoencoder's codes",
+    )
+    dirtiness: float = Field(0.3, ge=0.0, le=1.0, description="dirty: probability a sample starts in a wrong cluster")
+    percentile: float = Field(75.0, gt=0.0, le=100.0, description="alpha of eq. (2), in percent")
+    scale: Literal["relative", "errors", "differences"] = Field(
+        "relative", description="what normalises eq. (2)'s absolute differences: each sample's own error (relative, "
+        "the default), the min-max range of both error vectors (errors), or the differences' own range as printed "
+        "(differences: it rarely associates here; docs/fedcref.md)",
+    )
+    theta: float = Field(0.2, ge=0.0, le=1.0, description="theta of eq. (2): the association threshold")
+    tau: float = Field(0.8, ge=0.0, le=1.0, description="a client stops training and refining once the ACC between "
+                       "its consecutive labellings reaches tau")
+    layers: list[int] = Field(default_factory=lambda: [100, 64, 32], min_length=1, max_length=8,
+                              description="encoder widths; the decoder mirrors them (d-100-64-32-64-100-d)")
+    lr: float = Field(1e-3, gt=0.0, le=1.0, description="Adam's learning rate")
+    batch_size: int = Field(32, ge=1, le=100_000)
+    local_epochs: int = Field(10, ge=0, le=10_000,
+                              description="epochs that train each local cluster model per iteration")
+    fedavg_rounds: int = Field(15, ge=0, le=1000, description="FedAvg rounds that train each community model")
+    fedavg_epochs: int = Field(1, ge=1, le=1000, description="local epochs of a community member per FedAvg round")
+    stable_iterations: int = Field(3, ge=1, le=1000, description="the run stops when the number of communities and "
+                                   "of isolated clusters changed by at most `stable_change` over this many iterations")
+    stable_change: float = Field(0.1, ge=0.0, le=1.0)
+    merge: bool = Field(True, description="after FedAvg, join the communities whose models reconstruct each other's "
+                        "clusters (eq. 2 between community models, a majority of each side's clusters); not in the "
+                        "paper: docs/fedcref.md")
+    merge_share: float = Field(0.5, gt=0.0, le=1.0, description="the share of a community's clusters that must be "
+                               "reconstructed by the other community's model for the two to join (both ways)")
+
+
 class FedCRef(Algorithm):
     links = frozenset({"neighbours"})
     clusters_clients = False  # it clusters every client's samples, not the clients
+    title = "FedCRef"
+    section, Section = "fedcref", FedCRefConfig
+    partition = "categories"
+    trains_classifier = False  # its models are autoencoders
+
+    @classmethod
+    def config_defaults(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """FedCRef implies its setting unless the config names another: data.partition: categories and
+        topology.kind: complete (the all-to-all exchange of Algorithm 1)."""
+        out = dict(data)
+        for section, key, value in (("data", "partition", "categories"), ("topology", "kind", "complete")):
+            given = out.get(section, {})
+            if isinstance(given, dict) and key not in given:
+                out[section] = {**given, key: value}
+        return out
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        data = cfg.data
+        if cfg.topology.kind != "complete":
+            raise ValueError("topology.kind: fedcref exchanges models all-to-all (Algorithm 1, line 9): use complete")
+        if cfg.network.message_loss or cfg.network.message_delay:
+            raise ValueError("network.message_loss: fedcref needs every model and association of an iteration "
+                             "(set network.message_loss and message_delay to 0)")
+        if data.clients > MAX_FEDCREF_CLIENTS:
+            raise ValueError(f"data.clients: fedcref compares every pair of clusters, O((sum K_i)^2) per iteration; "
+                             f"at most {MAX_FEDCREF_CLIENTS} clients")
+        if data.features != "none":
+            raise ValueError("data.features: fedcref's autoencoders reconstruct images (use none)")
+        if data.categories_per_client is not None:
+            low, high = data.categories_per_client
+            if not 1 <= low <= high <= MAX_CATEGORIES_PER_CLIENT:
+                raise ValueError(f"data.categories_per_client: need 1 <= low <= high <= {MAX_CATEGORIES_PER_CLIENT}, "
+                                 f"got [{low}, {high}]")
+
+    @classmethod
+    def rounds_note(cls, cfg: ExperimentConfig) -> str:
+        return " at most (FedCRef stops when its communities settle)"
 
     def __init__(self, ctx: HostContext) -> None:
         super().__init__(ctx)

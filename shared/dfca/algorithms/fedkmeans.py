@@ -38,14 +38,14 @@ centroids.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from dfca.algorithms.base import Algorithm, Evaluation, Exchange, Graph, HostContext, Inbox, Outbox, params_in, state_of
-from dfca.config import ExperimentConfig
 from dfca.core.cluster_refinement import agreement
 from dfca.core.kmeans import (
     Neighbours,
@@ -58,7 +58,11 @@ from dfca.core.kmeans import (
 from dfca.core.label_matching import adjusted_rand_index
 from dfca.data import FederatedData
 from dfca.models import Params
+from dfca.sections import Strict
 from dfca.wire import TensorSpec
+
+if TYPE_CHECKING:
+    from dfca.config import ExperimentConfig
 
 CENTROIDS = "centroids"
 
@@ -71,11 +75,35 @@ def initial_centroids(ctx: HostContext) -> Tensor:
                         for r, c in enumerate(ctx.clients)])
 
 
+# -- the config sections `fedkmeans:` and `distkmeans:` -----------------------------------------------------------
+class FedKMeansConfig(Strict):
+    """Federated k-means over networks (Yang, Rastelli and Jung, Algorithm 1; see algorithms.fedkmeans)."""
+
+    alpha: float = Field(1.0, ge=0.0, le=1e6, description="GTV penalty of (7); 0 is local k-means")
+    selection: Literal["parallel", "random", "round_robin"] = Field(
+        "parallel", description="which nodes update per iteration: all (Jacobi, the paper's method), or one (step 3)"
+    )
+    e3: bool = Field(True, description="the assignment step (E3), component II of (8)")
+    data_weight: Literal["mean", "one"] = Field(
+        "mean", description="a point's weight in (8): mean = 1/m_i as (8) and (11) print (a neighbour centroid then "
+        "weighs alpha against the whole local dataset's 1); one = 1 as in (6), (7), (9) (see algorithms.fedkmeans)",
+    )
+    passes: int = Field(20, ge=1, le=10_000, description="cap of (E1)-(E3), (M) passes per update")
+    tol: float = Field(1e-6, ge=0.0, lt=1.0, description="stop the passes when (8) falls by less than this (relative)")
+
+
+class DistKMeansConfig(Strict):
+    """Distributed k-means (Forero, Cano and Giannakis 2011), the federated k-means paper's baseline."""
+
+    eta: float = Field(2.0, gt=0.0, le=1e6, description="the primal-dual step; the paper uses 2")
+
+
 class KMeansNodes(Algorithm):
     """What both k-means algorithms share: centroids as the model, one exchange a round, the reports."""
 
     links = frozenset({"neighbours"})
     clusters_clients = False
+    feature_vectors, trains_classifier = True, False
 
     def __init__(self, ctx: HostContext) -> None:
         super().__init__(ctx)
@@ -120,6 +148,9 @@ class KMeansNodes(Algorithm):
 
 
 class FedKMeans(KMeansNodes):
+    title = "federated k-means"
+    section, Section = "fedkmeans", FedKMeansConfig
+
     def __init__(self, ctx: HostContext) -> None:
         super().__init__(ctx)
         m = self.data().y_train.shape[1]
@@ -183,6 +214,9 @@ class FedKMeans(KMeansNodes):
 
 
 class DistKMeans(KMeansNodes):
+    title = "distributed k-means"
+    section, Section = "distkmeans", DistKMeansConfig
+
     def __init__(self, ctx: HostContext) -> None:
         super().__init__(ctx)
         self.dual = torch.zeros_like(self.centroids)  # v [M, k, d]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from dfca.algorithms.base import (
@@ -41,13 +42,51 @@ from dfca.core.soft_assignment import (
     train_on_cluster_data,
 )
 from dfca.models import Params, client_permutations
+from dfca.schedule import RoundSchedule
+from dfca.sections import Strict
 from dfca.wire import TensorSpec
 
 FINAL_PHASE_ROUND = 1_000_003  # seed offset of the final phase's sample orders
 
 
+# -- the config section `fedspd:` and the schedule it sets ------------------------------------------------------
+class FedSPDConfig(Strict):
+    """FedSPD (Lin et al. 2025, Algorithm 1 and Appendix B.1). Learning rate and batch size come from `train`."""
+
+    local_epochs: int | None = Field(
+        None, ge=1, le=10_000,
+        description="tau: local epochs over D_is per round; None uses train.local_epochs (B.1: 5)"
+    )
+    double_first_round: bool = Field(True, description="B.1: the first round runs twice the local epochs")
+    final_epochs: int = Field(
+        10, ge=0, le=10_000, description="tau_final: local epochs on all local data after the last round (B.2.2: 10)"
+    )
+    lr_decay: float = Field(0.8, gt=0.0, le=1.0, description="B.1: multiplicative learning-rate decay factor")
+    lr_decay_every: int = Field(
+        10, ge=1, le=100_000, description="rounds between two decay steps (B.1 states the factor, not the period)"
+    )
+
+
+class FedSPDSchedule(RoundSchedule):
+    """B.1: the learning rate also decays by fedspd.lr_decay every fedspd.lr_decay_every rounds; tau local epochs
+    per round, twice as many in round 0."""
+
+    def lr(self, t: int) -> float:
+        """eta_t = train.lr * train.lr_decay^t * fedspd.lr_decay^floor(t / fedspd.lr_decay_every)."""
+        o = self.cfg.fedspd
+        return super().lr(t) * o.lr_decay ** (t // o.lr_decay_every)
+
+    def epochs(self, t: int) -> int:
+        """tau (fedspd.local_epochs, else train.local_epochs), doubled in round 0 under fedspd.double_first_round."""
+        o = self.cfg.fedspd
+        tau = o.local_epochs if o.local_epochs is not None else self.cfg.train.local_epochs
+        return 2 * tau if t == 0 and o.double_first_round else tau
+
+
 class FedSPD(Algorithm):
     links = frozenset({"neighbours"})
+    title = "FedSPD"
+    section, Section, Schedule = "fedspd", FedSPDConfig, FedSPDSchedule
 
     def __init__(self, ctx: HostContext) -> None:
         super().__init__(ctx)

@@ -13,10 +13,24 @@ With k = 1 every client is in the one cluster and the M-step is FedAvg.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field
 
 from dfca.algorithms.base import HostContext
-from dfca.algorithms.server_clustering import ClusteringServer, generator_for, representation
+from dfca.algorithms.server_clustering import ClusteredClients, ClusteringServer, generator_for, representation
+from dfca.sections import Strict
+
+
+# -- the config section `fesem:` ---------------------------------------------------------------------------------
+class FeSEMConfig(Strict):
+    """FeSEM (Long et al. 2023): k centres in parameter space, nearest-centre assignment, weighted averages."""
+
+    representation: Literal["last_layer", "all"] = Field(
+        "last_layer", description="the L2 distance over the final layer (as DPMM-CFL clusters) or every parameter"
+    )
+    iterations: int = Field(10, ge=1, le=10_000, description="E/M passes per round (stops early when stable)")
 
 
 class FeSEMServer(ClusteringServer):
@@ -56,3 +70,12 @@ class FeSEMServer(ClusteringServer):
                 models[n] = torch.where(empty.view(-1, *([1] * (models[n].dim() - 1))), models[n], averaged[n])
         assert assignment is not None
         self.assignment, self.models = assignment, models
+
+
+class FeSEMClients(ClusteredClients):
+    """FeSEM's clients: ClusteredClients, their server FeSEMServer."""
+
+    title = "FeSEM"
+    central_role = FeSEMServer
+    section, Section = "fesem", FeSEMConfig
+    client_per_cluster = True

@@ -45,9 +45,11 @@ def initial_models(ctx: HostContext) -> Params:
 
 
 class IFCA(Algorithm):
-    """IFCA's clients."""
+    """IFCA's clients (their central role: IFCAServer, below)."""
 
     links = frozenset({"server"})
+    title = "IFCA"
+    client_per_cluster = True
 
     def __init__(self, ctx: HostContext) -> None:
         super().__init__(ctx)
@@ -155,3 +157,6 @@ class IFCAServer(Algorithm):
 
     def load_state(self, tensors: Mapping[str, Tensor]) -> None:
         self.params = {n: v.to(self.ctx.device) for n, v in params_in(tensors).items()}
+
+
+IFCA.central_role = IFCAServer  # the server is written after the clients it serves

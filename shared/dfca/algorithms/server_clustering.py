@@ -16,7 +16,7 @@ routing part. Everyone starts in cluster 0 with one seeded random model (K_0 = 1
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,10 +33,12 @@ from dfca.algorithms.base import (
     params_in,
     state_of,
 )
-from dfca.config import ExperimentConfig
 from dfca.core import accuracy_with, loss_matrix, round_seeds
 from dfca.models import BatchedModel, Params, client_permutations
 from dfca.wire import TensorSpec
+
+if TYPE_CHECKING:
+    from dfca.config import ExperimentConfig
 
 SERVER_GRACE = 2.0  # a client waits this many round timeouts for the server's models
 CHAIN = ("splits_proposed", "splits_accepted", "merges_proposed", "merges_accepted")

@@ -23,18 +23,22 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from dfca.config import ExperimentConfig
 from dfca.data.partition import seeded_rng
 from dfca.data.pool import ImagePool, PooledSource
 from dfca.data.shards import FederatedData
 
+if TYPE_CHECKING:
+    from dfca.config import ExperimentConfig
+
 log = logging.getLogger(__name__)
 
 PADDING = -1  # the label of a padded slot
+MAX_CATEGORIES_PER_CLIENT = 63  # a client's clusters travel as the bits of an int64 (algorithms.fedcref)
 
 
 def category_range(cfg: ExperimentConfig, classes: int) -> tuple[int, int]:

@@ -17,13 +17,16 @@ Gaussian matrix [C*H*W, feature_dim] / sqrt(C*H*W); labels stay the classes.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from dfca.config import ExperimentConfig
 from dfca.data.partition import seeded_rng
 from dfca.data.shards import FederatedData
+
+if TYPE_CHECKING:
+    from dfca.config import ExperimentConfig
 
 BLOB_SEPARATION = 5.0
 HETEROGENEOUS_STD = (1.0, 2.5, 0.5)

@@ -44,11 +44,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from dfca.config import DataConfig, ExperimentConfig
 from dfca.data import features
 from dfca.data.bundled import BUNDLED_MNIST_CLASSES, DIGITS_CLASSES, load_digits, load_mnist_bundled
 from dfca.data.categories import category_data
@@ -69,6 +69,10 @@ from dfca.data.partition import (
 from dfca.data.pool import ImagePool, PooledSource, WriterSource
 from dfca.data.rotation import cluster_rotations, rotate_by_distribution
 from dfca.data.shards import FederatedData
+
+if TYPE_CHECKING:
+    from dfca.config import DataConfig, ExperimentConfig
+
 
 logger = logging.getLogger(__name__)
 

@@ -18,14 +18,17 @@ gives unequal n_i, which the eq. (3) weighting would then use; here n_i is equal
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from dfca.config import ExperimentConfig
 from dfca.data.partition import assign_clusters, seeded_rng
 from dfca.data.pool import ImagePool, PooledSource
 from dfca.data.shards import FederatedData
+
+if TYPE_CHECKING:
+    from dfca.config import ExperimentConfig
 
 log = logging.getLogger(__name__)
 

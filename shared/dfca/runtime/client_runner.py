@@ -33,7 +33,7 @@ from typing import cast
 
 import torch
 
-from dfca.algorithms import Algorithm, HostContext, clients_of
+from dfca.algorithms import Algorithm, HostContext, clients_of, schedule_of
 from dfca.attacks import Attack, Forger
 from dfca.config import ExperimentConfig
 from dfca.data import FederatedData, build_federated_data
@@ -56,7 +56,6 @@ from dfca.runtime.messages import (
     WorkerState,
 )
 from dfca.runtime.sharding import clients_of as hosted_clients
-from dfca.schedule import RoundSchedule
 from dfca.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -228,7 +227,7 @@ class ClientRunner:
         spec, cfg = self.spec, self.spec.config
         data = self._data
         assert data is not None
-        schedule = RoundSchedule(cfg)
+        schedule = schedule_of(cfg)
         steps = max((schedule.gossip_steps(t) for t in range(schedule.total_rounds)), default=0)
         transport = HostTransport(self.connect(prefetch_for(spec.neighbours, spec.clients, steps)))
         self._transport = transport

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from safetensors.torch import save as st_save
 
+from dfca.algorithms import schedule_of
 from dfca.runtime.final_models import FinalModelsInvalid, decode_sums, merge_sums
 from dfca.runtime.metrics_store import MetricsStore
 from dfca.runtime.run_summary import final_evaluation, history
-from dfca.schedule import RoundSchedule
 
 
 class NoResults(LookupError):
@@ -48,5 +48,5 @@ def plot_files(store: MetricsStore, experiment: str) -> dict[str, bytes]:
     if not records:
         raise NoResults(f"experiment {experiment!r} has no evaluated rounds yet")
     with tempfile.TemporaryDirectory() as folder:
-        paths = plot_history(Path(folder), records, stored.config.name, RoundSchedule(stored.config).seeding_rounds)
+        paths = plot_history(Path(folder), records, stored.config.name, schedule_of(stored.config).seeding_rounds)
         return {p.name: p.read_bytes() for p in paths}

@@ -20,10 +20,10 @@ from typing import Any
 
 import networkx as nx
 
+from dfca.algorithms import schedule_of
 from dfca.config import ALGORITHMS, ExperimentConfig
 from dfca.runtime.messages import TERMINAL_STATUSES, ExperimentStatus, RoundReport, WorkerEvent
 from dfca.runtime.sharding import assignment
-from dfca.schedule import RoundSchedule
 
 BARRIER_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 20.0
@@ -68,7 +68,7 @@ class EventRefused(ValueError):
 
 def check_round(experiment: str, config: ExperimentConfig, event: RoundReport | WorkerEvent) -> None:
     """EventRefused for an event of a round beyond the run's (seeding rounds included)."""
-    if event.round > (total := RoundSchedule(config).total_rounds):
+    if event.round > (total := schedule_of(config).total_rounds):
         raise EventRefused(f"experiment {experiment}: worker {event.worker} reports round {event.round} of {total}")
 
 
@@ -133,7 +133,7 @@ class ExperimentRecord:
         now = time.time() if now is None else now
         return {
             "id": self.id, "name": self.config.name, "algorithm": self.config.algorithm, "status": self.status,
-            "round": self.round, "rounds": RoundSchedule(self.config).total_rounds, "clients": self.num_clients,
+            "round": self.round, "rounds": schedule_of(self.config).total_rounds, "clients": self.num_clients,
             "workers": self.workers,
             "go": self.go, "topology_version": self.topology_version, "created_at": self.created_at,
             "started_at": self.started_at, "finished_at": self.finished_at, "failed_clients": self.failed_clients,

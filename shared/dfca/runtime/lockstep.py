@@ -13,7 +13,7 @@ from typing import cast
 
 import torch
 
-from dfca.algorithms import Algorithm, HostContext, clients_of, server_of
+from dfca.algorithms import Algorithm, HostContext, clients_of, schedule_of, server_of
 from dfca.algorithms.base import SERVER
 from dfca.attacks import Attack, Forger
 from dfca.config import ExperimentConfig
@@ -21,7 +21,6 @@ from dfca.data import FederatedData
 from dfca.evaluation import cluster_ari
 from dfca.models import model_from_config
 from dfca.runtime.message_driver import MessageDriver
-from dfca.schedule import RoundSchedule
 from dfca.transport import InMemoryBroker, InMemoryTransport, Transport
 
 Graph = Mapping[int, Sequence[int]]
@@ -96,7 +95,7 @@ def run_lockstep(
     drivers = [client_driver(cfg, experiment, g, data.subset(g), graph, transport_factory(), device, workers=hosts)
                for g in groups]
     run = LockstepRun(drivers, server_driver(cfg, experiment, data, transport_factory(), device, hosts))
-    for t in range(RoundSchedule(cfg).total_rounds):
+    for t in range(schedule_of(cfg).total_rounds):
         lockstep_round(run, t)
     return run
 
@@ -113,7 +112,7 @@ def run_with_forger(cfg: ExperimentConfig, data: FederatedData, graph: Graph, at
                for g in groups]
     drivers[forger].algorithm = cast(Algorithm, Forger(drivers[forger].algorithm, attack, cfg.seed))
     run = LockstepRun(drivers, None)
-    for t in range(RoundSchedule(cfg).total_rounds):
+    for t in range(schedule_of(cfg).total_rounds):
         lockstep_round(run, t, timeout, strict=False)
     return run
 
