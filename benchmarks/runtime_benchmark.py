@@ -46,10 +46,10 @@ from dfca.data import build_federated_data
 from dfca.graph import build_graph, neighbours
 from dfca.models import build_model
 from dfca.runtime import sharding
+from dfca.runtime.driver_stats import PHASES
 from dfca.runtime.host_transport import HostTransport
 from dfca.runtime.launcher import Stack, StackOptions
 from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round
-from dfca.runtime.message_driver import PHASES
 from dfca.runtime.metrics_store import MetricsStore
 from dfca.schedule import RoundSchedule
 from dfca.settings import DEFAULT_BROKER_URL

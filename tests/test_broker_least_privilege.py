@@ -38,7 +38,7 @@ from dfca.broker_users import (
 )
 from dfca.config import ExperimentConfig
 from dfca.evaluation import cluster_ari
-from dfca.runtime.message_driver import BLOCK_AFTER_INVALID
+from dfca.runtime.admission import BLOCK_AFTER_INVALID
 from dfca.runtime.messages import StopCommand, WorkerEvent, encode
 from dfca.runtime.sharding import clients_of
 from dfca.simulator import simulate

@@ -14,9 +14,9 @@ from dfca.algorithms import CLIENTS, schedule_of
 from dfca.config import KMEANS_ALGORITHMS, SERVER_CLUSTERING, ExperimentConfig
 from dfca.evaluation import cluster_ari, populated_clusters
 from dfca.graph import neighbours
+from dfca.runtime.driver_stats import PHASES
 from dfca.runtime.experiments import RUNTIME_ALGORITHMS
 from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
-from dfca.runtime.message_driver import PHASES
 from dfca.simulator import Simulation, prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport, RabbitMQTransport
 

@@ -16,7 +16,8 @@ from dfca import topics
 from dfca.algorithms import schedule_of
 from dfca.config import ExperimentConfig
 from dfca.graph import neighbours
-from dfca.runtime import message_driver
+from dfca.runtime import admission, decoding, driver_stats, folding
+from dfca.runtime.delivery import Placed
 from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round
 from dfca.runtime.message_driver import MessageDriver
 from dfca.simulator import prepare, simulate
@@ -113,8 +114,8 @@ def test_duplicate_and_stale_gossip_messages_are_not_mixed_twice() -> None:
         a.handle(msg)
     peer_msg = next(m for m in first if m.routing_key == topics.model_key("robust", host(peer, 2), peer, 0))
     applied = a.stats.applied
-    hearing = len(a.hearing[peer])  # a's clients that neighbour the peer: each would have mixed it
-    assert row in a.hearing[peer]
+    hearing = len(a.hearing.rows_of[peer])  # a's clients that neighbour the peer: each would have mixed it
+    assert row in a.hearing.rows_of[peer]
     a.transport.publish(topics.MODELS_EXCHANGE, peer_msg.routing_key, peer_msg.body, peer_msg.headers)
     while (msg := a.transport.receive(a.queue, 0.0)) is not None:
         a.handle(msg)
@@ -123,7 +124,7 @@ def test_duplicate_and_stale_gossip_messages_are_not_mixed_twice() -> None:
         assert d.collect(5.0)
         d.end_exchange()
     # a step-0 message arriving after step 0 closed is dropped, not mixed into step 1
-    a.seen.clear()
+    a.ledger.seen.clear()
     a.transport.publish(topics.MODELS_EXCHANGE, peer_msg.routing_key, peer_msg.body, peer_msg.headers)
     a.start_exchange(1)
     while (msg := a.transport.receive(a.queue, 0.0)) is not None:
@@ -148,7 +149,7 @@ def test_gossip_step_times_out_without_a_neighbour() -> None:
     assert complete is False
     assert a.stats.timeouts == schedule_of(cfg).gossip_steps(0)
     lonely = [r for r, c in enumerate(a.ids) if not any(m in a.ids for m in a.neighbours[c])]
-    assert lonely and all(set(a.neighbours[a.ids[r]]) <= a.missed for r in lonely)
+    assert lonely and all(set(a.neighbours[a.ids[r]]) <= a.ledger.missed for r in lonely)
     for r in lonely:  # nothing arrived: num/den = theta for the trained cluster, the rest keep their copy
         for n in trained:
             torch.testing.assert_close(a.algorithm.params[n][r], trained[n][r])  # type: ignore[attr-defined]
@@ -182,7 +183,7 @@ def test_a_proven_sender_flooding_junk_is_cut_off_and_no_longer_waited_for(prove
     publisher, unbinds that client from its queues and stops waiting for it. Under a shared broker user nobody can
     tell who sent the junk (a forger could frame an honest client), so nobody is cut off."""
     a, peer, forger = worker_0_and_forger(proven)
-    flood = message_driver.BLOCK_AFTER_INVALID + 5
+    flood = admission.BLOCK_AFTER_INVALID + 5
     for _ in range(flood):
         forger.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", "worker-1", peer, 0), b"junk", {})
     a.begin_round(0)
@@ -192,7 +193,7 @@ def test_a_proven_sender_flooding_junk_is_cut_off_and_no_longer_waited_for(prove
         a.handle(msg)
     assert a.stats.rejected["bad_header"] == flood  # one delivery to the worker, however many of its clients hear it
     assert (peer in a.blocked, a.stats.blocked) == ((True, 1) if proven else (False, 0))
-    assert rows and all((peer in a.waiting[r]) != proven for r in rows)
+    assert rows and all((peer in a.ledger.waiting[r]) != proven for r in rows)
     forger.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", "worker-1", peer, 0), b"more junk", {})
     delivered = a.transport.receive(a.queue, 0.0)
     assert (delivered is None) == proven  # cut off: the broker routes nothing more to us
@@ -203,7 +204,7 @@ def test_a_flood_of_junk_is_logged_a_few_lines_a_round_and_counted_in_full(caplo
     only the first LOGGED_REJECTIONS_PER_ROUND are logged one by one; one line at the round's end says how many
     more there were (a flood must not flood the logs)."""
     a, peer, forger = worker_0_and_forger(proven=False)
-    flood = 3 * message_driver.LOGGED_REJECTIONS_PER_ROUND
+    flood = 3 * driver_stats.LOGGED_REJECTIONS_PER_ROUND
     for _ in range(flood):
         forger.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", "worker-1", peer, 0), b"junk", {})
     a.begin_round(0)
@@ -215,8 +216,8 @@ def test_a_flood_of_junk_is_logged_a_few_lines_a_round_and_counted_in_full(caplo
         a.end_round()
     lines = [r.getMessage() for r in caplog.records]
     assert a.stats.rejected["bad_header"] == flood
-    assert sum(line.startswith("rejected message") for line in lines) == message_driver.LOGGED_REJECTIONS_PER_ROUND
-    summary = f"{flood - message_driver.LOGGED_REJECTIONS_PER_ROUND} more rejected messages not logged"
+    assert sum(line.startswith("rejected message") for line in lines) == driver_stats.LOGGED_REJECTIONS_PER_ROUND
+    summary = f"{flood - driver_stats.LOGGED_REJECTIONS_PER_ROUND} more rejected messages not logged"
     assert sum(summary in line for line in lines) == 1
 
 
@@ -231,11 +232,11 @@ def test_a_proven_sender_flooding_copies_of_a_valid_message_is_cut_off(proven: b
     body, headers = encode_message(envelope, {n: TensorSpec(s) for n, s in shapes.items()})
     a.begin_round(0)
     a.start_exchange(0)
-    for _ in range(message_driver.BLOCK_AFTER_INVALID + 5):
+    for _ in range(admission.BLOCK_AFTER_INVALID + 5):
         forger.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", "worker-1", peer, 0), body, headers)
         while (msg := a.transport.receive(a.queue, 0.0)) is not None:
             a.handle(msg)
-    assert a.stats.duplicates >= message_driver.BLOCK_AFTER_INVALID - 1 or peer in a.blocked
+    assert a.stats.duplicates >= admission.BLOCK_AFTER_INVALID - 1 or peer in a.blocked
     assert (peer in a.blocked) == proven and a.stats.rejected.total() == 0
 
 
@@ -268,8 +269,8 @@ def test_a_message_redelivered_after_a_restart_is_a_duplicate_not_merged_again(t
     again.start_exchange(0)
     while (msg := again.transport.receive(again.queue, 0.0)) is not None:
         again.handle(msg)
-    assert row in again.hearing[peer]
-    assert (again.stats.duplicates, again.stats.stale_merged) == (len(again.hearing[peer]), 0)
+    assert row in again.hearing.rows_of[peer]
+    assert (again.stats.duplicates, again.stats.stale_merged) == (len(again.hearing.rows_of[peer]), 0)
 
 
 def test_a_message_of_an_exchange_its_round_does_not_have_is_rejected() -> None:
@@ -297,7 +298,7 @@ def test_models_far_in_the_future_are_rejected_and_repeats_are_held_once() -> No
     broker = InMemoryBroker()
     a, row, peer, shapes, spec = receiver_and_peer(cfg, broker)
     injector = InMemoryTransport(broker)
-    ahead = message_driver.MAX_ROUNDS_AHEAD
+    ahead = admission.MAX_ROUNDS_AHEAD
     for t in [1, 1, 1, ahead, ahead + 1, 35, 35]:
         forged = Envelope("robust", peer, t, "models", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
         injector.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", host(peer, 2), peer, 0),
@@ -306,10 +307,11 @@ def test_models_far_in_the_future_are_rejected_and_repeats_are_held_once() -> No
     a.start_exchange(0)
     while (msg := a.transport.receive(a.queue, 0.0)) is not None:
         a.handle(msg)
-    hearing = a.hearing[peer]  # every hosted client that neighbours the peer holds its own copy
+    hearing = a.hearing.rows_of[peer]  # every hosted client that neighbours the peer holds its own copy
     assert row in hearing and a.stats.rejected == Counter({"future_round": 3})
     assert a.stats.duplicates == 2 * len(hearing)
-    assert sorted((d.envelope.round, d.row) for d in a.held) == sorted((t, r) for t in (1, ahead) for r in hearing)
+    held = sorted((d.envelope.round, d.row) for d in a.ledger.held)
+    assert held == sorted((t, r) for t in (1, ahead) for r in hearing)
 
 
 # -- the running average's memory bound ----------------------------------------------------------------------
@@ -329,7 +331,7 @@ def peak_decoded_models(degree: int, aggregation: str, monkeypatch: pytest.Monke
                          queue=topics.worker_queue("star", "worker-1"))  # two queues: the centre is not c % workers
     alive: list[weakref.ref[torch.Tensor]] = []
     peak = 0
-    decode = message_driver.decode_messages
+    decode = decoding.decode_messages
 
     def counting(*args: Any, **kwargs: Any) -> list[Envelope | PayloadRejected]:
         nonlocal peak
@@ -342,7 +344,7 @@ def peak_decoded_models(degree: int, aggregation: str, monkeypatch: pytest.Monke
                 peak = max(peak, len(alive))
         return decoded
 
-    monkeypatch.setattr(message_driver, "decode_messages", counting)
+    monkeypatch.setattr(decoding, "decode_messages", counting)
     lockstep_round(LockstepRun([rest, centre], None), 0)
     assert centre.stats.applied == degree
     state = sum(t.numel() for t in centre.algorithm.state().values())
@@ -355,7 +357,7 @@ def test_a_client_with_200_neighbours_holds_no_more_model_copies_than_one_with_1
     """Sequential aggregation folds arriving models as they come (eq. 8), at most FOLD_BATCH decoded at a time,
     and the same k models of state, for 16 neighbours, 50 or 200. Batch aggregation (eq. 7) holds the round's
     models: 50."""
-    assert message_driver.FOLD_BATCH == 16
+    assert folding.FOLD_BATCH == 16
     few, few_state = peak_decoded_models(2, "sequential", monkeypatch)
     assert few == 2
     sixteen, sixteen_state = peak_decoded_models(16, "sequential", monkeypatch)
@@ -474,14 +476,14 @@ def test_a_message_fanned_out_to_several_hosted_clients_is_decoded_once(monkeypa
     rest = client_driver(cfg, "star", others, ctx.data.subset(others), graph, InMemoryTransport(broker),
                          queue=topics.worker_queue("star", "worker-1"))  # two queues: the centre is not c % workers
     senders: Counter[int] = Counter()
-    decode = message_driver.decode_messages
+    decode = decoding.decode_messages
 
     def counting(*args: Any, **kwargs: Any) -> list[Envelope | PayloadRejected]:
         decoded = decode(*args, **kwargs)
         senders.update(e.sender for e in decoded if isinstance(e, Envelope))
         return decoded
 
-    monkeypatch.setattr(message_driver, "decode_messages", counting)
+    monkeypatch.setattr(decoding, "decode_messages", counting)
     lockstep_round(LockstepRun([rest, centre], None), 0)
     assert senders[0] == 1 and rest.stats.applied == degree  # one decode, folded into all six clients
     assert senders[1] == 1 and centre.stats.applied == degree
@@ -496,7 +498,7 @@ def test_a_message_fanned_out_to_several_hosted_clients_is_decoded_once(monkeypa
     first, forged, again = rest._decode([Message(topics.MODELS_EXCHANGE, key, body, headers),
                                          Message(topics.MODELS_EXCHANGE, key, bytes(tampered), headers),
                                          Message(topics.MODELS_EXCHANGE, key, body, headers)])
-    assert isinstance(first, Envelope) and again is first
+    assert isinstance(first, Placed) and again is first and first.exchange == rest.exchanges[0]
     assert isinstance(forged, PayloadRejected) and "sha256" in str(forged)
 
 
@@ -515,10 +517,10 @@ def test_a_workers_own_clients_messages_stay_in_the_process_and_a_broker_copy_is
         decoded.append(counts)
 
         def counting(messages: list[Message], d: MessageDriver = d,
-                     counts: Counter[int] = counts) -> list[Envelope | PayloadRejected]:
-            envelopes = MessageDriver._decode(d, messages)
-            counts.update(e.sender for e in envelopes if isinstance(e, Envelope))
-            return envelopes
+                     counts: Counter[int] = counts) -> list[Placed | PayloadRejected]:
+            placed = MessageDriver._decode(d, messages)
+            counts.update(p.envelope.sender for p in placed if isinstance(p, Placed))
+            return placed
 
         d._decode = counting  # type: ignore[method-assign]
     own = drivers[0]

@@ -1,7 +1,8 @@
 """The distributed runtime's shared parts: the services in `services/` only wire these to a broker and HTTP.
 
-- `message_driver`: driver 2, any algorithm's rows over a transport (queues, decoding, dedupe,
-  staleness, deadlines, liveness, checkpoints);
+- `message_driver`: driver 2, any algorithm's rows over a transport: the pump that joins `hearing` (who
+  hears whom), `admission` (sender's host, cut-off, future rounds), `ledger` (dedupe, hold, staleness,
+  waiting, deadlines), `folding`, `outbox`, `decoding`, `bindings`, `delivery`, `checkpoints` and `driver_stats`;
 - `messages`: control commands and metric events (pydantic JSON, never pickle);
 - `sharding`: which worker hosts which clients;
 - `host_transport`: the transport a worker's driver talks through (deferred acks, lag, stop);

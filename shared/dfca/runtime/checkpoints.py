@@ -7,19 +7,26 @@ the round loop's time that no message is waiting for. `CheckpointWriter` writes 
 while the next round runs, and only then does what must follow it: acknowledging the messages the checkpoint
 holds (a worker killed before that gets them again from the broker and resumes from the checkpoint before).
 One write is in flight at a time and they land in order: the next `submit` waits for the one before.
+A message driver's checkpoint (`driver_checkpoint`, `read_driver_checkpoint`) also holds the round, the hosted ids
+and the identities of the messages used in that round: a message folded before the checkpoint but not yet
+acknowledged comes back after a crash, and must be a duplicate then, not a late message merged a second time.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
+from dfca.runtime.ledger import Identity
 from dfca.safetensors_layout import chunks
 
 log = logging.getLogger(__name__)
@@ -42,6 +49,35 @@ class Checkpoint:
                 while view:  # a raw write may take less than it was given
                     view = view[f.write(view):]
         tmp.replace(path)
+
+
+def driver_checkpoint(state: Mapping[str, torch.Tensor], t: int, experiment: str, clients: list[int],
+                      seen: Iterable[Identity]) -> Checkpoint:
+    """A driver's state after round t, copied (the next round may change it while it is written), with the
+    identities used in that round."""
+    tensors = {n: v.detach().to("cpu", copy=True).contiguous() for n, v in state.items()}
+    meta = {"round": str(t), "experiment": experiment, "clients": json.dumps(clients), "seen": json.dumps(sorted(seen))}
+    return Checkpoint(tensors, meta)
+
+
+@dataclass(frozen=True)
+class DriverCheckpoint:
+    """What `read_driver_checkpoint` restores: the state, the last completed round and the identities it used."""
+
+    tensors: dict[str, torch.Tensor]
+    round: int
+    seen: set[Identity]
+
+
+def read_driver_checkpoint(path: Path, experiment: str, clients: list[int]) -> DriverCheckpoint:
+    """A driver's checkpoint; ValueError if it belongs to another experiment or client set."""
+    with safe_open(str(path), "pt") as f:
+        meta: Mapping[str, str] = f.metadata()
+    if meta.get("experiment") != experiment or json.loads(meta["clients"]) != clients:
+        raise ValueError(f"checkpoint {path} belongs to another experiment or client set")
+    seen = {(int(r), int(sd), int(t), str(x), int(st), int(pt)) for r, sd, t, x, st, pt in
+            json.loads(meta.get("seen", "[]"))}
+    return DriverCheckpoint(load_file(str(path)), int(meta["round"]), seen)
 
 
 class CheckpointWriter:

@@ -322,7 +322,7 @@ class ClientRunner:
             began = time.perf_counter()
             self._apply_control(driver, t)
             complete = driver.run_round(t, cfg.runtime.round_timeout)
-            with driver.timed("checkpoint"):
+            with driver.stats.timed("checkpoint"):
                 acks = transport.take_acks()  # this round's: sent once its checkpoint is on disk, which follows
                 self.writer.submit(driver.checkpoint(), lambda acks=acks: transport.ack_now(acks),  # its confirms
                                    first=driver.take_confirmation())

@@ -18,6 +18,11 @@ class NeighbourLiveness:
     def __init__(self, dead_after: int = DEAD_AFTER_MISSES) -> None:
         self.dead_after = dead_after
         self.misses: dict[int, int] = {}
+        self.sightings: dict[int, int] = {}  # sender -> the latest round a message of it came from
+
+    def sighted(self, sender: int, t: int) -> None:
+        """A message of round t came from `sender`."""
+        self.sightings[sender] = max(t, self.sightings.get(sender, t))
 
     def observe_round(self, expected: Iterable[int], missing: Iterable[int]) -> None:
         """After a round: senders in `missing` timed out, the rest of `expected` delivered."""
