@@ -26,7 +26,8 @@ from rich.table import Table
 from dfca.core import fold_models, self_weights
 from dfca.core.consensus import consensus_weights, gossip_matrix, ratio_consensus
 from dfca.core.params import cluster_views, flatten_cluster
-from dfca.models import MLP, Params
+from dfca.models.batched import Params
+from dfca.models.mlp import MLP
 
 PROBE = 30  # compare every 30th client's models between the two sides
 

@@ -1,8 +1,8 @@
-"""One compromised host of three: what each forged attack (dfca.attacks) costs the honest clients, screen on and off.
+"""One compromised host of three: what each forged attack (harness.forgery) costs the honest clients, screen on and off.
 
     python benchmarks/byzantine.py [--seeds 1] [--processes 2] [--settings 0,1] [--out runs/byzantine]
 
-Every run is robust DFCA over three in-memory message drivers in lockstep (dfca.runtime.lockstep.run_with_forger,
+Every run is robust DFCA over three in-memory message drivers in lockstep (harness.forged_lockstep.run_with_forger,
 the message driver's own code), host 1 compromised: it trains, receives and reports like the others, but its
 clients send what the attack forges. Rows are attacks, columns the defence: `off` (the default: plain ratio
 consensus; seeding's checks are always on), `screen` (`dfca.screen: true`, core.screened_gossip) and `screen+trim`
@@ -25,13 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from resumable_runs import commit, load_runs, run_pending
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # harness: drivers in lockstep
 
-from dfca.attacks import Attack
-from dfca.config import ExperimentConfig
-from dfca.data import build_federated_data
-from dfca.graph import build_graph, neighbours
-from dfca.runtime.lockstep import honest_scores, run_with_forger
+from resumable_runs import commit, load_runs, run_pending  # noqa: E402
+
+from dfca.config import ExperimentConfig  # noqa: E402
+from dfca.data import build_federated_data  # noqa: E402
+from dfca.graph import build_graph, neighbours  # noqa: E402
+from harness.forged_lockstep import honest_scores, run_with_forger  # noqa: E402
+from harness.forgery import Attack  # noqa: E402
 
 SETTINGS: list[dict[str, Any]] = [
     {"label": "k=2 N=24 ER p=0.5 h=64 (runtime tests)", "config": {

@@ -27,8 +27,8 @@ import torch
 from resumable_runs import RESULTS, append_stamped
 
 from dfca.config import TopologyConfig
-from dfca.evaluation import auto_form, disagreement, index_consistency
 from dfca.graph import adjacency_matrix, build_graph
+from dfca.results.evaluation import auto_form, disagreement, index_consistency
 from dfca.simulator import sampled_edges
 
 FORMS = ("edges", "gram", "blocks")

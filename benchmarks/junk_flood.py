@@ -2,7 +2,7 @@
 
 Three runs of runtime_benchmark's config (rotated MNIST k=2, 24 clients, 3 workers, ER p=0.5) on the local
 RabbitMQ, each on a fresh stack:
-1. honest, every process its own broker user (dfca.broker_users);
+1. honest, every process its own broker user (dfca.identity.broker_users);
 2. the same while worker 1's credentials publish junk under worker 1's own clients' keys from the start, for
    `--flood-seconds` (or the whole run if shorter), as fast as one publisher with confirms can (the broker
    lets it through; receivers see the proven publisher and cut those clients off after BLOCK_AFTER_INVALID
@@ -34,9 +34,9 @@ from urllib.parse import urlsplit
 from resumable_runs import commit
 from runtime_benchmark import bench_config, runtime_run
 
-from dfca import topics
-from dfca.broker_users import principal_url, principals_of, rabbitmqctl_commands
-from dfca.runtime.sharding import clients_of
+from dfca.identity import topics
+from dfca.identity.broker_users import principal_url, principals_of, rabbitmqctl_commands
+from dfca.identity.sharding import clients_of
 from dfca.settings import DEFAULT_BROKER_URL
 from dfca.transport import RabbitMQTransport
 

@@ -28,9 +28,9 @@ from resumable_runs import RESULTS, commit
 from runtime_benchmark import bench_config
 
 from dfca.config import ExperimentConfig
-from dfca.runtime.experiments import check_round
-from dfca.runtime.messages import ExperimentEvent, RoundReport
-from dfca.runtime.metrics_store import MetricsStore
+from dfca.runtime.control.experiments import check_round
+from dfca.runtime.metrics.metrics_store import MetricsStore
+from dfca.runtime.protocol.messages import ExperimentEvent, RoundReport
 from dfca.transport import InMemoryTransport
 from services.metrics.main import MetricsCollector
 

@@ -24,6 +24,7 @@ import os
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -36,26 +37,28 @@ import httpx
 import pika
 import torch
 import yaml
-from resumable_runs import commit
 
-import dfca
-from dfca import topics
-from dfca.algorithms import schedule_of
-from dfca.config import ExperimentConfig
-from dfca.data import build_federated_data
-from dfca.graph import build_graph, neighbours
-from dfca.models import build_model
-from dfca.runtime import sharding
-from dfca.runtime.driver_stats import PHASES
-from dfca.runtime.host_transport import HostTransport
-from dfca.runtime.launcher import Stack, StackOptions
-from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round
-from dfca.runtime.metrics_store import MetricsStore
-from dfca.schedule import RoundSchedule
-from dfca.settings import DEFAULT_BROKER_URL
-from dfca.simulator import simulate
-from dfca.transport import InMemoryBroker, InMemoryTransport, RabbitMQTransport
-from dfca.wire import HEADER_KEYS, Envelope, TensorSpec, body_bytes, encode_message
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # harness: drivers in lockstep
+
+from resumable_runs import commit  # noqa: E402
+
+import dfca  # noqa: E402
+from dfca.algorithms import schedule_of  # noqa: E402
+from dfca.cli.launcher import Stack, StackOptions  # noqa: E402
+from dfca.config import ExperimentConfig  # noqa: E402
+from dfca.data import build_federated_data  # noqa: E402
+from dfca.graph import build_graph, neighbours  # noqa: E402
+from dfca.identity import sharding, topics  # noqa: E402
+from dfca.models.build import build_model  # noqa: E402
+from dfca.runtime.driver.driver_stats import PHASES  # noqa: E402
+from dfca.runtime.driver.host_transport import HostTransport  # noqa: E402
+from dfca.runtime.metrics.metrics_store import MetricsStore  # noqa: E402
+from dfca.schedule import RoundSchedule  # noqa: E402
+from dfca.settings import DEFAULT_BROKER_URL  # noqa: E402
+from dfca.simulator import simulate  # noqa: E402
+from dfca.transport import InMemoryBroker, InMemoryTransport, RabbitMQTransport  # noqa: E402
+from dfca.wire.codec import HEADER_KEYS, Envelope, TensorSpec, body_bytes, encode_message  # noqa: E402
+from harness.lockstep import LockstepRun, client_driver, lockstep_round  # noqa: E402
 
 TOKEN = "benchmark"
 CPU_SAMPLE_S = 0.05  # how often CpuTrace reads the processes' CPU seconds

@@ -43,7 +43,8 @@ from torch import nn
 from dfca.algorithms import Algorithm
 from dfca.config import ExperimentConfig
 from dfca.heap import keep_freed_memory
-from dfca.models import MLP, client_permutations
+from dfca.models.batched import client_permutations
+from dfca.models.mlp import MLP
 from dfca.simulator import Simulation, prepare
 
 

@@ -1,4 +1,4 @@
-"""A module trained for every client at once (dfca.torch_model) against a per-client torch loop doing the same
+"""A module trained for every client at once (dfca.models.torch_model) against a per-client torch loop doing the same
 arithmetic, and the built-in MLP against the same MLP written as an nn.Module.
 
     python benchmarks/torch_models.py [--clients 100] [--train 80] [--batch 10] [--cnn-epochs 1] [--mlp-epochs 5]
@@ -7,11 +7,12 @@ arithmetic, and the built-in MLP against the same MLP written as an nn.Module.
 A "round" here is one local update of every client (`sgd`: shuffled batches, plain SGD, lr 0.05) and one evaluation
 of every client's model on its training samples (`logits`, as the least-loss assignment does), on the bundled MNIST
 (rotations 0 and 180), `--clients` clients of `--train` samples each. Cases:
-- `cnn`: the paper's CNN (`model.kind: cnn`, dfca.models.PaperCNN) batched through torch.func, against a per-client
+- `cnn`: the paper's CNN (`model.kind: cnn`, dfca.models.paper_cnn.PaperCNN) batched through torch.func, against a
+  per-client
   loop that loads each client's state into one nn.Module and steps torch.optim.SGD (what a framework that trains one
   client at a time does; the CNN's own path before it was batched);
 - `mlp`: the built-in MLP (784-200-10, hand-written batched forward and backward, sample-space first layer where
-  cheaper), against the same MLP as nn.Sequential through dfca.torch_model, and the per-client loop.
+  cheaper), against the same MLP as nn.Sequential through dfca.models.torch_model, and the per-client loop.
 Each way starts from the same weights. The run fails unless every way ends one step of every client (its first
 batch) at the same models (max |difference| within 1e-4). After a whole round the ways differ by rounding, amplified
 by training: printed beside the spread the per-client loop itself shows when its start is perturbed by one part in
@@ -46,8 +47,11 @@ from dfca.config import ExperimentConfig
 from dfca.data import build_federated_data
 from dfca.devices import resolve_device
 from dfca.heap import keep_freed_memory
-from dfca.models import MLP, BatchedModel, PaperCNN, Params, build_model, client_permutations
-from dfca.torch_model import TorchModel
+from dfca.models.batched import BatchedModel, Params, client_permutations
+from dfca.models.build import build_model
+from dfca.models.mlp import MLP
+from dfca.models.paper_cnn import PaperCNN
+from dfca.models.torch_model import TorchModel
 
 LR = 0.05
 TOLERANCE = 1e-4

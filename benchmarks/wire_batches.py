@@ -1,4 +1,4 @@
-"""What encoding and decoding an exchange's messages costs a worker, one at a time and together (dfca.wire_batches).
+"""What encoding and decoding an exchange's messages costs a worker, one at a time and together (dfca.wire.batches).
 
 A worker's message driver publishes its hosted clients' gossip messages of an exchange at once and decodes what
 arrived at its queue up to FOLD_BATCH (16) messages at a time. This times, for the gossip payload of each case's
@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from resumable_runs import RESULTS, append_stamped
 
-from dfca import topics
-from dfca.wire import (
+from dfca.identity import topics
+from dfca.wire.batches import decode_messages, encode_rows
+from dfca.wire.codec import (
     Envelope,
     TensorSpec,
     decode_message,
@@ -42,7 +43,6 @@ from dfca.wire import (
     sha256,
     stacked,
 )
-from dfca.wire_batches import decode_messages, encode_rows
 
 K = 2
 ARRIVALS = 16  # the driver's FOLD_BATCH

@@ -24,9 +24,9 @@ from torch import Tensor
 
 from dfca.algorithms.base import Algorithm, Evaluation, Exchange, HostContext, Inbox, Outbox, params_in, state_of
 from dfca.core import fold_models, init_cluster_models, round_seeds, train_assigned
-from dfca.models import Params
+from dfca.models.batched import Params
 from dfca.sections import Strict
-from dfca.wire import TensorSpec
+from dfca.wire.codec import TensorSpec
 
 
 class MeanOfNeighboursConfig(Strict):

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .dfca
-python3 -m dfca.broker_users definitions --workers "${WORKERS:-3}" --host rabbitmq \
+python3 -m dfca.identity.broker_users definitions --workers "${WORKERS:-3}" --host rabbitmq \
   --out .dfca/broker-users.json --compose-env .env --definitions-path ./.dfca/broker-definitions.json \
   > .dfca/broker-definitions.tmp
 mv .dfca/broker-definitions.tmp .dfca/broker-definitions.json

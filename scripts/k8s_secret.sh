@@ -5,7 +5,7 @@
 #   dfca-secrets                 api-token (create, start, stop) and read-token (reads)
 #   dfca-broker-users            the broker's users.json, permissions.json, topic_permissions.json: one broker
 #                                user per service and per worker ordinal, password hashes and least-privilege
-#                                rights (python -m dfca.broker_users k8s); the broker pod loads them at boot
+#                                rights (python -m dfca.identity.broker_users k8s); the broker pod loads them at boot
 #   dfca-broker-<principal>      url: the AMQP URL of topology, metrics, aggregator, worker-0 .. worker-N-1,
 #                                each mounted by that workload only
 #   bash scripts/k8s_secret.sh [NAMESPACE]
@@ -53,14 +53,14 @@ if exists dfca-broker-users; then
   exit 0
 fi
 
-if ! "$PYTHON" -c "import dfca.broker_users" 2>/dev/null; then
+if ! "$PYTHON" -c "import dfca.identity.broker_users" 2>/dev/null; then
   export PYTHONPATH="$REPO/shared${PYTHONPATH:+:$PYTHONPATH}"
-  "$PYTHON" -c "import dfca.broker_users" || {
-    echo "cannot import dfca.broker_users: install the project first (pip install -e .)" >&2; exit 1; }
+  "$PYTHON" -c "import dfca.identity.broker_users" || {
+    echo "cannot import dfca.identity.broker_users: install the project first (pip install -e .)" >&2; exit 1; }
 fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-"$PYTHON" -m dfca.broker_users k8s --workers "$WORKERS" --host "${BROKER_HOST:-rabbitmq}" --out-dir "$work"
+"$PYTHON" -m dfca.identity.broker_users k8s --workers "$WORKERS" --host "${BROKER_HOST:-rabbitmq}" --out-dir "$work"
 # An earlier run that stopped part-way left some principals' Secrets without the broker's: make them anew.
 kubectl -n "$NAMESPACE" delete secret -l dfca.dev/broker-users=true --ignore-not-found >/dev/null
 for principal in "${PRINCIPALS[@]}"; do

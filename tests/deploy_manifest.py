@@ -25,7 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
-from dfca.broker_users import principal_records, principal_url, principals_of
+from dfca.identity.broker_users import principal_records, principal_url, principals_of
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO / "k8s"
@@ -97,7 +97,7 @@ def _secret(name: str, data: Mapping[str, str]) -> Manifest:
 def cluster_secrets(manifests: Iterable[Manifest]) -> list[Manifest]:
     """The Secrets scripts/k8s_secret.sh creates in a cluster (k8s/ holds none, so that re-applying k8s/ cannot
     restore placeholders), with test stand-ins: dfca-secrets with the script's `--from-literal` keys, the broker's
-    records (dfca.broker_users, one user per principal) and each principal's URL Secret."""
+    records (dfca.identity.broker_users, one user per principal) and each principal's URL Secret."""
     keys = re.findall(r"--from-literal=([a-z-]+)=", SECRET_SCRIPT.read_text())
     workers = len(worker_statefulsets(manifests))
     passwords = {p: broker_test_password(p) for p in principals_of(workers)}

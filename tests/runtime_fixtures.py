@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,8 +14,8 @@ from typing import Any
 import httpx
 
 from dfca.algorithms import schedule_of
+from dfca.cli.launcher import Stack, StackOptions
 from dfca.config import ExperimentConfig
-from dfca.runtime.launcher import Stack, StackOptions
 
 TOKEN = "test-token"
 
@@ -58,19 +59,25 @@ def log_tails(state_dir: Path, lines: int = 15) -> str:
     return "\n".join(out)
 
 
+def forging_worker(attack: str) -> list[str]:
+    """The program that runs a compromised worker: the product's worker, its clients' messages forged."""
+    return [sys.executable, str(Path(__file__).resolve().parent / "harness" / "forging_worker.py"), attack]
+
+
 @contextmanager
 def running_stack(state_dir: Path, broker_url: str, workers: int = 3, aggregator: bool = False,
                   broker_users: dict[str, str] | None = None, read_token: str = "",
                   forge: dict[int, str] | None = None, model_factories: str = "") -> Iterator[Stack]:
     """A supervised stack (same code as `dfca up`, with `--aggregator` if asked) on free ports, stopped on exit;
     `broker_users`: each process connects as its own principal (`dfca up --broker-users`); `read_token`:
-    DFCA_READ_TOKEN; `forge`: worker ordinal -> DFCA_FORGE (a compromised worker, dfca.attacks); `model_factories`:
+    DFCA_READ_TOKEN; `forge`: worker ordinal -> what it forges (harness.forging_worker); `model_factories`:
     DFCA_MODEL_FACTORIES (the model factories its services may import)."""
     options = StackOptions(
         workers=workers, broker_url=broker_url, topology_port=free_port(), metrics_port=free_port(),
         aggregator_port=free_port() if aggregator else None, worker_port_base=free_port_block(workers),
         api_token=TOKEN, read_token=read_token, state_dir=state_dir, log_to_files=True, broker_users=broker_users,
-        forge=forge or {}, model_factories=model_factories,
+        worker_programs={w: forging_worker(attack) for w, attack in (forge or {}).items()},
+        model_factories=model_factories,
     )
     stack = Stack(options)
     stop = threading.Event()

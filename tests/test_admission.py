@@ -1,12 +1,12 @@
-"""runtime.admission on its own: no transport, broker or algorithm, only routing keys, publishers and rounds."""
+"""runtime.driver.admission on its own: no transport, broker or algorithm, only routing keys, publishers and rounds."""
 
 from __future__ import annotations
 
 import pytest
 
-from dfca import topics
 from dfca.algorithms.base import SERVER
-from dfca.runtime.admission import BLOCK_AFTER_INVALID, MAX_ROUNDS_AHEAD, Admission, Refusal, Screening
+from dfca.identity import topics
+from dfca.runtime.driver.admission import BLOCK_AFTER_INVALID, MAX_ROUNDS_AHEAD, Admission, Refusal, Screening
 
 EXP = "exp"
 

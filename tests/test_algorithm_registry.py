@@ -16,14 +16,14 @@ import torch
 from dfca.algorithms import CLIENTS, register, unregister
 from dfca.config import ExperimentConfig, compose_config
 from dfca.graph import neighbours
-from dfca.runtime.lockstep import run_lockstep
 from dfca.simulator import prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport
+from harness.lockstep import run_lockstep
 
 REPO = Path(__file__).resolve().parents[1]
 DFCA = REPO / "shared" / "dfca"
-NAME_FREE = [DFCA / "simulator.py", DFCA / "schedule.py", DFCA / "cli.py",
-             *sorted(p for p in (DFCA / "runtime").glob("*.py") if p.name != "message_driver.py")]
+NAME_FREE = [DFCA / "simulator.py", DFCA / "schedule.py", *sorted((DFCA / "cli").glob("*.py")),
+             *sorted((DFCA / "runtime").rglob("*.py"))]
 
 
 def named_algorithms(path: Path, names: set[str], sections: set[str]) -> Iterator[str]:

@@ -15,13 +15,13 @@ from typer.testing import CliRunner
 
 from dfca.algorithms import schedule_of
 from dfca.algorithms.fedspd import FedSPD
-from dfca.cli import app
+from dfca.cli.main import app
 from dfca.config import ExperimentConfig, parse_config
 from dfca.core.params import gather_clusters, scatter_clusters
 from dfca.core.soft_assignment import mixture_error
-from dfca.models import client_permutations
+from dfca.models.batched import client_permutations
 from dfca.simulator import Simulation, prepare, simulate
-from dfca.wire import TensorSpec, body_bytes
+from dfca.wire.codec import TensorSpec, body_bytes
 
 BASELINES = ["ifca", "dfedavgm", "fedspd", "local"]
 

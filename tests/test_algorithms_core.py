@@ -17,7 +17,8 @@ from dfca.core.soft_assignment import (
     personalised_models,
 )
 from dfca.graph import adjacency_matrix
-from dfca.models import MLP, client_permutations
+from dfca.models.batched import client_permutations
+from dfca.models.mlp import MLP
 
 
 def random_adjacency(n: int, p: float, seed: int) -> torch.Tensor:

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from test_runtime_control_plane import AUTH, TOKEN, small
 from test_runtime_metrics import CFG, report
 
-from dfca.runtime.coordinator import Coordinator
-from dfca.runtime.messages import ExperimentEvent
-from dfca.runtime.metrics_store import MetricsStore
+from dfca.runtime.control.coordinator import Coordinator
+from dfca.runtime.metrics.metrics_store import MetricsStore
+from dfca.runtime.protocol.messages import ExperimentEvent
 from dfca.transport import InMemoryBroker, InMemoryTransport
 from services.metrics.main import MetricsCollector
 from services.metrics.main import create_app as metrics_app

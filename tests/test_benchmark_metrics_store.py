@@ -29,7 +29,7 @@ def test_the_store_benchmark_stores_every_report_in_as_many_commits_as_it_says(
         sqlalchemy.event.listen(engine, "commit", lambda _conn: counted.append(1))
         return engine
 
-    monkeypatch.setattr("dfca.runtime.metrics_store.create_engine", counting_engine)
+    monkeypatch.setattr("dfca.runtime.metrics.metrics_store.create_engine", counting_engine)
     figures = store_reports(tmp_path, reports, config, batch)  # asserts every report stored once
     assert figures["cpu_ms"] > 0 and figures["wall_ms"] > 0
     assert len(counted) == 2 + commits  # the tables, the experiment's event, then the reports'

@@ -13,10 +13,10 @@ from dfca.algorithms import Exchange
 from dfca.config import ExperimentConfig
 from dfca.data import build_federated_data
 from dfca.graph import build_graph, neighbours
-from dfca.runtime.lockstep import client_driver
 from dfca.simulator import simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport
-from dfca.wire import Envelope, encode_message
+from dfca.wire.codec import Envelope, encode_message
+from harness.lockstep import client_driver
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from runtime_benchmark import (  # noqa: E402

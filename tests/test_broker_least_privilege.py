@@ -1,8 +1,8 @@
-"""Least privilege on the broker: one user per principal (dfca.broker_users), publishers proven by the broker.
+"""Least privilege on the broker: one user per principal (dfca.identity.broker_users), publishers proven by the broker.
 
-A private RabbitMQ node boots with the principals' users from `dfca.broker_users.definitions` (as a
+A private RabbitMQ node boots with the principals' users from `dfca.identity.broker_users.definitions` (as a
 Compose broker does); one of them is re-passworded with the `rabbitmqctl` commands of
-`python -m dfca.broker_users create`. With one worker's own credentials a compromised worker
+`python -m dfca.identity.broker_users create`. With one worker's own credentials a compromised worker
 tries what issue 17 measured with the shared credentials: the broker refuses a model key claiming another
 worker's client, a control command, an experiment's status, a forged `user_id`, and any use of another
 worker's queues; what the broker cannot tell apart (a worker's event about another worker, a model of a
@@ -26,8 +26,10 @@ import torch
 from rabbitmq_node import RabbitMQNode, RabbitMQNodeError, server_bin_dir
 from runtime_fixtures import Api, rotated_mnist, running_stack, total_rounds
 
-from dfca import principals, topics
-from dfca.broker_users import (
+from dfca.config import ExperimentConfig
+from dfca.identity import principals, topics
+from dfca.identity.broker_setup import ensure_broker_topology
+from dfca.identity.broker_users import (
     definitions,
     permissions_of,
     principal_url,
@@ -36,14 +38,12 @@ from dfca.broker_users import (
     read_urls,
     write_urls,
 )
-from dfca.config import ExperimentConfig
-from dfca.evaluation import cluster_ari
-from dfca.runtime.admission import BLOCK_AFTER_INVALID
-from dfca.runtime.messages import StopCommand, WorkerEvent, encode
-from dfca.runtime.sharding import clients_of
+from dfca.identity.sharding import clients_of
+from dfca.results.evaluation import cluster_ari
+from dfca.runtime.driver.admission import BLOCK_AFTER_INVALID
+from dfca.runtime.protocol.messages import StopCommand, WorkerEvent, encode
 from dfca.simulator import simulate
 from dfca.transport import RabbitMQTransport, TransportError
-from dfca.transport.broker_setup import ensure_broker_topology
 
 WORKERS = 3
 
@@ -109,7 +109,8 @@ def test_definitions_carry_every_principal_with_hashes_only(tmp_path: Path) -> N
 @pytest.fixture(scope="module")
 def principal_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RabbitMQNode, dict[str, str]]]:
     """A private node that boots with the services' and workers 0-1's users from `definitions` (as Compose's broker
-    does); worker 2's user is made with the `rabbitmqctl` commands `python -m dfca.broker_users create` runs. (Not
+    does); worker 2's user is made with the `rabbitmqctl` commands
+    `python -m dfca.identity.broker_users create` runs. (Not
     one of the definitions' users: a broker that loads definitions at boot resets their passwords on a restart.)"""
     if server_bin_dir() is None:
         pytest.fail("RabbitMQ is not installed (scripts/install_rabbitmq.sh)")
@@ -253,7 +254,7 @@ def test_a_run_on_per_principal_users_ignores_a_compromised_worker_and_survives_
 
 def test_a_compromised_worker_hijacking_seeding_and_consensus_costs_the_honest_clients_at_most_3_points(
         principal_node: tuple[RabbitMQNode, dict[str, str]], tmp_path: Path) -> None:
-    """Worker 1 of 3 runs with its own credentials and forges what its 8 clients send (DFCA_FORGE, dfca.attacks):
+    """Worker 1 of 3 runs with its own credentials and forges what its 8 clients send (DFCA_FORGE, harness.forgery):
     issue 17's seed hijack (an all-zero model at an inflated score, in every seeding round) and consensus hijack (a
     huge weight on the zero model, in every gossip step). With `dfca.screen` the 16 honest clients end within 3
     points of their accuracy in the honest run, with their clusters recovered; the forgeries are refused and

@@ -1,8 +1,8 @@
-"""One bad participant: forged seed candidates and consensus pairs (dfca.attacks) against robust DFCA's defences.
+"""One bad participant: forged seed candidates and consensus pairs (harness.forgery) against robust DFCA's defences.
 
 Seeding always refuses what a receiver can check (core.seeding.refused_candidates, responds_to_input); screened
 gossip (`dfca.screen`, core.screened_gossip) bounds what a neighbour's (num, den) pair can do. The lockstep tests run
-three message drivers in memory with host 1 compromised (dfca.runtime.lockstep.run_with_forger); the RabbitMQ run
+three message drivers in memory with host 1 compromised (harness.forged_lockstep.run_with_forger); the RabbitMQ run
 with a compromised worker's own credentials is in test_broker_least_privilege.py.
 """
 
@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 
-from dfca.attacks import Attack, top_draw
 from dfca.config import ExperimentConfig
 from dfca.core.consensus import StepConsensus
 from dfca.core.ratio import ratio_estimate
@@ -22,7 +21,8 @@ from dfca.core.screened_gossip import Screen, budgeted, screened_mix
 from dfca.core.seeding import first_slot_scores, refused_candidates, responds_to_input
 from dfca.data import build_federated_data
 from dfca.graph import build_graph, neighbours
-from dfca.runtime.lockstep import honest_scores, run_with_forger
+from harness.forged_lockstep import honest_scores, run_with_forger
+from harness.forgery import Attack, top_draw
 
 
 # -- seeding: what a receiver can check --------------------------------------------------------------------------------

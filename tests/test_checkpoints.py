@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from dfca.runtime.checkpoints import Checkpoint, CheckpointWriter
+from dfca.runtime.driver.checkpoints import Checkpoint, CheckpointWriter
 
 STATE = {
     "params.w1": torch.randn(3, 2, 5, 4, generator=torch.Generator().manual_seed(0)),
@@ -105,7 +105,7 @@ def test_a_failed_write_or_ack_is_raised_by_the_next_call(tmp_path: Path, caplog
         writer.wait()
     writer.wait()  # raised once
     writer.submit(Checkpoint({"w": torch.zeros(3)}, {}), failing_ack)
-    with caplog.at_level(logging.WARNING, logger="dfca.runtime.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="dfca.runtime.driver.checkpoints"):
         writer.wait_quietly()
     assert "the broker went away" in caplog.text
 

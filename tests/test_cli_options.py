@@ -10,10 +10,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from dfca.cli import app
+from dfca.cli.main import app
 from dfca.config import ConfigError, load_config
-from dfca.outputs import count_ceiling
-from dfca.run_folder import OutFolderRefused, prepare_out
+from dfca.results.outputs import count_ceiling
+from dfca.results.run_folder import OutFolderRefused, prepare_out
 
 runner = CliRunner()
 TINY = {"name": "tiny", "clusters": 2, "rounds": 1, "seed": 0,

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from dfca.cli import app
+from dfca.cli.main import app
 
 runner = CliRunner()
 
@@ -112,7 +112,7 @@ def test_collapse_warning_matches_the_records(tmp_path: Path) -> None:
 
 
 def test_collapse_watch_warns_once_per_kind() -> None:
-    from dfca.collapse import STALL_ROUNDS, CollapseWatch
+    from dfca.results.collapse import STALL_ROUNDS, CollapseWatch
 
     watch = CollapseWatch(k=4)
     out = []

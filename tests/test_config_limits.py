@@ -17,12 +17,13 @@ from hypothesis import strategies as st
 
 import dfca.algorithms.dfca
 from dfca.algorithms.base import RunDiverged, all_finite
-from dfca.config import MAX_SEED, ConfigError, parse_config
+from dfca.config import ConfigError, parse_config
 from dfca.graph import neighbours
 from dfca.run_size import RunTooLarge
-from dfca.runtime.lockstep import run_lockstep
+from dfca.sections import MAX_SEED
 from dfca.simulator import prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport
+from harness.lockstep import run_lockstep
 
 TINY: dict[str, Any] = {
     "name": "tiny", "clusters": 2, "rounds": 1, "seed": 0,

@@ -27,8 +27,8 @@ from dfca.core.consensus import (
     ratio_consensus,
 )
 from dfca.core.params import flatten_cluster
-from dfca.models import MLP
-from dfca.wire import TensorSpec, as_received, model_as_received
+from dfca.models.mlp import MLP
+from dfca.wire.codec import TensorSpec, as_received, model_as_received
 
 
 def random_params(n: int, k: int, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from deploy_manifest import (
 )
 from rabbitmq_node import RabbitMQNode, RabbitMQNodeError
 
-from dfca import principals, topics
+from dfca.identity import principals, topics
 
 pytestmark = pytest.mark.rabbitmq
 

@@ -56,8 +56,8 @@ from deploy_manifest import (
     workloads,
 )
 
-from dfca import principals
 from dfca.devices import DeviceUnavailable, worker_device
+from dfca.identity import principals
 from dfca.settings import DEFAULT_PORTS, ENV_VARS
 
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")  # oldest we support and newest bundled
@@ -179,7 +179,7 @@ def test_cpu_overlay_renders_the_same_with_kustomize() -> None:
 def registered_subcommands() -> set[str]:
     import typer
 
-    from dfca.cli import app
+    from dfca.cli.main import app
 
     return set(typer.main.get_command(app).commands)
 
@@ -774,8 +774,8 @@ def test_compose_runs_each_service_as_its_own_broker_user(tmp_path: Path) -> Non
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose (Debian package docker-compose) is not installed")
     env_file, definitions = tmp_path / "compose.env", tmp_path / "definitions.json"
-    made = subprocess.run([sys.executable, "-m", "dfca.broker_users", "definitions", "--workers", "3", "--host",
-                           "rabbitmq", "--out", str(tmp_path / "urls.json"), "--compose-env", str(env_file),
+    made = subprocess.run([sys.executable, "-m", "dfca.identity.broker_users", "definitions", "--workers", "3",
+                           "--host", "rabbitmq", "--out", str(tmp_path / "urls.json"), "--compose-env", str(env_file),
                            "--definitions-path", str(definitions)], capture_output=True, text=True, check=False)
     assert made.returncode == 0, made.stderr
     definitions.write_text(made.stdout)

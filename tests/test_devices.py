@@ -20,15 +20,15 @@ from test_driver_equivalence import (
 from typer.testing import CliRunner
 
 from dfca import devices
-from dfca.cli import app
+from dfca.cli.main import app
 from dfca.devices import DeviceUnavailable, device_name, resolve_device, worker_device
 from dfca.graph import build_graph, neighbours
 from dfca.run_size import RunTooLarge, available_bytes, check_fits_memory
-from dfca.runtime.client_runner import ClientRunner, RunSpec
-from dfca.runtime.lockstep import run_lockstep
-from dfca.runtime.messages import RoundReport, WorkerEvent
+from dfca.runtime.protocol.messages import RoundReport, WorkerEvent
+from dfca.runtime.worker.client_runner import ClientRunner, RunSpec
 from dfca.simulator import prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport
+from harness.lockstep import run_lockstep
 
 
 def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,7 +164,7 @@ def test_a_run_larger_than_the_devices_free_memory_is_refused_naming_the_device(
 
 def test_payloads_cross_the_wire_as_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     """encode_message moves every tensor to the CPU before safetensors sees it (a CUDA tensor would not save)."""
-    from dfca.wire import Envelope, TensorSpec, encode_message
+    from dfca.wire.codec import Envelope, TensorSpec, encode_message
 
     moved: list[str] = []
     original = torch.Tensor.to

@@ -16,12 +16,12 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from dfca.cli import app
+from dfca.cli.main import app
 from dfca.config import ConfigError, parse_config
 from dfca.core.dpmm import DPMMSampler, NormalNormal, canonical, crp_log_prior
 from dfca.data import build_federated_data
 from dfca.simulator import simulate
-from dfca.wire import Envelope, PayloadRejected, TensorSpec, decode_message, encode_message
+from dfca.wire.codec import Envelope, PayloadRejected, TensorSpec, decode_message, encode_message
 
 
 def partitions(n: int) -> Iterator[list[int]]:

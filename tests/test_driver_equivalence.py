@@ -9,16 +9,16 @@ from typing import Any, get_args
 import pytest
 import torch
 
-from dfca import topics
 from dfca.algorithms import CLIENTS, schedule_of
 from dfca.config import KMEANS_ALGORITHMS, SERVER_CLUSTERING, ExperimentConfig
-from dfca.evaluation import cluster_ari, populated_clusters
 from dfca.graph import neighbours
-from dfca.runtime.driver_stats import PHASES
-from dfca.runtime.experiments import RUNTIME_ALGORITHMS
-from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
+from dfca.identity import topics
+from dfca.results.evaluation import cluster_ari, populated_clusters
+from dfca.runtime.control.experiments import RUNTIME_ALGORITHMS
+from dfca.runtime.driver.driver_stats import PHASES
 from dfca.simulator import Simulation, prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport, RabbitMQTransport
+from harness.lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
 
 W0 = "worker-0"  # the host word of every client when one worker hosts them all
 

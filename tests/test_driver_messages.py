@@ -12,17 +12,17 @@ import pytest
 import torch
 from test_driver_equivalence import small_config
 
-from dfca import topics
 from dfca.algorithms import schedule_of
 from dfca.config import ExperimentConfig
 from dfca.graph import neighbours
-from dfca.runtime import admission, decoding, driver_stats, folding
-from dfca.runtime.delivery import Placed
-from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round
-from dfca.runtime.message_driver import MessageDriver
+from dfca.identity import topics
+from dfca.runtime.driver import admission, decoding, driver_stats, folding
+from dfca.runtime.driver.delivery import Placed
+from dfca.runtime.driver.message_driver import MessageDriver
 from dfca.simulator import prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport, Message
-from dfca.wire import Envelope, PayloadRejected, Spec, TensorSpec, encode_message
+from dfca.wire.codec import Envelope, PayloadRejected, Spec, TensorSpec, encode_message
+from harness.lockstep import LockstepRun, client_driver, lockstep_round
 
 W0 = "worker-0"  # the host word of every client when one worker hosts them all
 
@@ -209,7 +209,7 @@ def test_a_flood_of_junk_is_logged_a_few_lines_a_round_and_counted_in_full(caplo
         forger.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", "worker-1", peer, 0), b"junk", {})
     a.begin_round(0)
     a.start_exchange(0)
-    with caplog.at_level("WARNING", logger="dfca.runtime.message_driver"):
+    with caplog.at_level("WARNING", logger="dfca.runtime.driver.message_driver"):
         while (msg := a.transport.receive(a.queue, 0.0)) is not None:
             a.handle(msg)
         a.end_exchange()

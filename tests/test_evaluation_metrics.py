@@ -6,8 +6,8 @@ import pytest
 import torch
 from test_driver_equivalence import DEVICES
 
-from dfca import evaluation
-from dfca.evaluation import disagreement, index_consistency
+from dfca.results import evaluation
+from dfca.results.evaluation import disagreement, index_consistency
 
 
 def params_of(n: int, k: int, seed: int) -> dict[str, torch.Tensor]:

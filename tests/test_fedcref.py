@@ -15,9 +15,9 @@ from dfca.core import autoencoder as ae
 from dfca.core.cluster_refinement import agreement, communities, dirty_labels, merged_communities, reconstructs, refine
 from dfca.data import build_federated_data
 from dfca.graph import neighbours
-from dfca.runtime.lockstep import run_lockstep
 from dfca.simulator import prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport
+from harness.lockstep import run_lockstep
 
 
 def small(**overrides: Any) -> dict[str, Any]:

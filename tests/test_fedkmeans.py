@@ -11,14 +11,14 @@ import pytest
 import torch
 from sklearn.cluster import KMeans
 
-from dfca import topics
 from dfca.config import ConfigError, ExperimentConfig, parse_config
 from dfca.core.kmeans import Neighbours, gtv_update, kmeans_plus_plus, set_distance
 from dfca.graph import neighbours
-from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
+from dfca.identity import topics
 from dfca.simulator import prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport
-from dfca.wire import Envelope, TensorSpec, encode_message
+from dfca.wire.codec import Envelope, TensorSpec, encode_message
+from harness.lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
 
 W0 = "worker-0"  # the host word of every client when one worker hosts them all
 

@@ -7,9 +7,9 @@ import torch
 from test_driver_equivalence import config_for, small_config, transport_factory
 
 from dfca.graph import neighbours
-from dfca.runtime.final_models import FinalModelsInvalid, decode_sums, encode_sums, merge_sums
-from dfca.runtime.lockstep import run_lockstep
+from dfca.runtime.protocol.final_models import FinalModelsInvalid, decode_sums, encode_sums, merge_sums
 from dfca.simulator import prepare, simulate
+from harness.lockstep import run_lockstep
 
 
 @pytest.mark.parametrize("cfg", [small_config(rounds=2, dfca={"variant": "paper"}), config_for("dfedavgm"),

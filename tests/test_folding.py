@@ -1,13 +1,13 @@
-"""runtime.folding on its own: deliveries built by hand, no transport, broker or algorithm."""
+"""runtime.driver.folding on its own: deliveries built by hand, no transport, broker or algorithm."""
 
 from __future__ import annotations
 
 import torch
 
 from dfca.algorithms import Exchange
-from dfca.runtime.delivery import Delivery, Placed, Unsettled
-from dfca.runtime.folding import Ready, fold_chunks, inboxes
-from dfca.wire import Envelope
+from dfca.runtime.driver.delivery import Delivery, Placed, Unsettled
+from dfca.runtime.driver.folding import Ready, fold_chunks, inboxes
+from dfca.wire.codec import Envelope
 
 MODELS = Exchange("models")
 

@@ -1,10 +1,10 @@
-"""runtime.hearing on its own: a graph and a set of blocked senders, no transport, broker or algorithm."""
+"""runtime.driver.hearing on its own: a graph and a set of blocked senders, no transport, broker or algorithm."""
 
 from __future__ import annotations
 
 from dfca.algorithms import Exchange
 from dfca.algorithms.base import SERVER
-from dfca.runtime.hearing import Hearing
+from dfca.runtime.driver.hearing import Hearing
 
 GRAPH = {0: [1, 2], 1: [0, 2, 3], 2: [0, 1], 3: [1]}
 GOSSIP = Exchange("gossip")

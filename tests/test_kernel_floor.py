@@ -17,7 +17,8 @@ if str(ROOT / "benchmarks") not in sys.path:
 from kernel_floor import kernel_floor  # noqa: E402
 from test_driver_equivalence import DEVICES  # noqa: E402
 
-from dfca.models import MLP, client_permutations  # noqa: E402
+from dfca.models.batched import client_permutations  # noqa: E402
+from dfca.models.mlp import MLP  # noqa: E402
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,9 +1,9 @@
-"""runtime.ledger on its own: no transport, broker or algorithm; a fake clock for its deadlines."""
+"""runtime.driver.ledger on its own: no transport, broker or algorithm; a fake clock for its deadlines."""
 
 from __future__ import annotations
 
 from dfca.algorithms import Exchange
-from dfca.runtime.ledger import Identity, Ledger, Placement
+from dfca.runtime.driver.ledger import Identity, Ledger, Placement
 
 MODELS = Exchange("models", averaged=True, stale_ok=True)
 GOSSIP = [Exchange("gossip", step=s) for s in range(2)]

@@ -9,7 +9,8 @@ from test_driver_equivalence import DEVICES
 
 from dfca.config import ExperimentConfig
 from dfca.data import build_federated_data
-from dfca.models import MLP, client_permutations, in_order, put_in_order
+from dfca.models.batched import client_permutations, in_order, put_in_order
+from dfca.models.mlp import MLP
 
 
 def trained(form: str, init: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, orders: torch.Tensor,
@@ -127,8 +128,8 @@ def test_clients_trained_in_blocks_of_any_size_train_as_each_alone(
     mask = torch.rand(clients, n, generator=g) < 0.7
     results = []
     for fewest, size in ((1, 1), (4, 4), (32, 11)):  # each client alone; blocks of 4, 4, 3; one block of 11
-        monkeypatch.setattr("dfca.models.CLIENT_BLOCK", fewest)
-        monkeypatch.setattr("dfca.models.BLOCK_BYTES", 0)
+        monkeypatch.setattr("dfca.models.mlp.CLIENT_BLOCK", fewest)
+        monkeypatch.setattr("dfca.models.mlp.BLOCK_BYTES", 0)
         assert MLP(d, h, 10, form).client_block(clients, n, form) == size
         results.append(trained(form, init, x, y, orders, 5, momentum, mask))
     for k in init:

@@ -20,11 +20,11 @@ from runtime_fixtures import TOKEN, free_port, rotated_mnist, running_stack
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-import dfca.remote_commands
-import dfca.runtime_client
-from dfca.cli import app
-from dfca.runtime.coordinator import Coordinator
-from dfca.runtime_client import Endpoints, RuntimeClient
+import dfca.cli.remote_commands
+import dfca.cli.runtime_client
+from dfca.cli.main import app
+from dfca.cli.runtime_client import Endpoints, RuntimeClient
+from dfca.runtime.control.coordinator import Coordinator
 from dfca.transport import InMemoryBroker, InMemoryTransport
 from services.topology.main import create_app
 
@@ -131,7 +131,7 @@ def stub_client(monkeypatch: pytest.MonkeyPatch) -> Callable[[httpx.MockTranspor
     """Route the commands' REST calls to a mock transport."""
 
     def use(transport: httpx.MockTransport) -> None:
-        monkeypatch.setattr(dfca.remote_commands, "client_for", lambda topology, metrics, token: RuntimeClient(
+        monkeypatch.setattr(dfca.cli.remote_commands, "client_for", lambda topology, metrics, token: RuntimeClient(
             Endpoints.resolve(topology, metrics, token or "t"), transport=transport))
 
     return use
@@ -204,7 +204,7 @@ def test_logs_gives_up_on_an_unreachable_metrics_service(stub_client: Callable[.
             raise httpx.ConnectError("connection refused", request=request)
         return stub.handle(request)
 
-    monkeypatch.setattr(dfca.runtime_client, "METRICS_DOWN_LIMIT_S", 0.5)
+    monkeypatch.setattr(dfca.cli.runtime_client, "METRICS_DOWN_LIMIT_S", 0.5)
     stub_client(httpx.MockTransport(metrics_down))
     result = runner.invoke(app, ["logs", "e1", "--metrics", "http://127.0.0.1:9"])
     assert result.exit_code == 1 and stub.connections >= 2  # retried before giving up
@@ -265,7 +265,7 @@ def check_models_classify(folder: Path, assignments: list[int], accuracy: float)
     run's clients did (the cluster mean of models that agreed by consensus)."""
     from dfca.config import ExperimentConfig
     from dfca.data import build_federated_data
-    from dfca.models import build_model
+    from dfca.models.build import build_model
 
     cfg = ExperimentConfig.model_validate(rotated_mnist(name="cli", rounds=6, dfca={"variant": "paper"}))
     data = build_federated_data(cfg)

@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 
 from dfca.config import ExperimentConfig
 from dfca.graph import build_graph, neighbours
-from dfca.runtime.central_roles import CENTRAL_ROLES, ServerRole
-from dfca.runtime.client_runner import ClientRunner, RunSpec, checkpoint_path
-from dfca.runtime.messages import RoundReport, StartCommand, WorkerEvent
-from dfca.runtime.sharding import clients_of
+from dfca.identity.sharding import clients_of
+from dfca.runtime.aggregator.central_roles import CENTRAL_ROLES, ServerRole
+from dfca.runtime.protocol.messages import RoundReport, StartCommand, WorkerEvent
+from dfca.runtime.worker.client_runner import ClientRunner, RunSpec, checkpoint_path
 from dfca.simulator import simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport
 
@@ -103,7 +103,7 @@ def test_the_ifca_role_ends_when_the_experiment_is_over_without_uploads(monkeypa
     cfg = small(algorithm="ifca")
     command = StartCommand(deployment="d", experiment="gone", config=cfg, workers=1, neighbours={})
     role = ServerRole(command, InMemoryTransport(InMemoryBroker()), topology_url="http://topology.invalid")
-    monkeypatch.setattr("dfca.runtime.central_roles.OVER_CHECK_S", 0.1)
+    monkeypatch.setattr("dfca.runtime.aggregator.central_roles.OVER_CHECK_S", 0.1)
     asked: list[bool] = []
     monkeypatch.setattr(role, "experiment_over", lambda: asked.append(True) or len(asked) >= 2)
     thread = threading.Thread(target=role.run, args=(threading.Event(),), daemon=True)

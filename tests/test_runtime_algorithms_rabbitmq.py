@@ -23,12 +23,12 @@ from runtime_fixtures import Api, rotated_mnist, running_stack
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from dfca.cli.launcher import Stack
 from dfca.config import ExperimentConfig
 from dfca.core import init_cluster_models
-from dfca.evaluation import disagreement
-from dfca.models import build_model
-from dfca.runtime.launcher import Stack
-from dfca.runtime.sharding import clients_of
+from dfca.identity.sharding import clients_of
+from dfca.models.build import build_model
+from dfca.results.evaluation import disagreement
 from dfca.simulator import simulate
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]

@@ -10,15 +10,16 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from dfca import topics
 from dfca.config import ExperimentConfig
 from dfca.graph import neighbours
-from dfca.principals import host_of
-from dfca.runtime.coordinator import Coordinator
-from dfca.runtime.experiments import BARRIER_TIMEOUT_S, EventRefused, ExperimentRecord, dead_after
-from dfca.runtime.http_service import MAX_BODY_BYTES
-from dfca.runtime.lockstep import client_driver
-from dfca.runtime.messages import (
+from dfca.identity import topics
+from dfca.identity.broker_setup import bind_to_deployment, ensure_broker_topology
+from dfca.identity.principals import host_of
+from dfca.identity.sharding import assignment, clients_of
+from dfca.runtime.control.coordinator import Coordinator
+from dfca.runtime.control.experiments import BARRIER_TIMEOUT_S, EventRefused, ExperimentRecord, dead_after
+from dfca.runtime.metrics.metrics_store import MetricsStore
+from dfca.runtime.protocol.messages import (
     GoCommand,
     PresenceEvent,
     RoundReport,
@@ -28,12 +29,11 @@ from dfca.runtime.messages import (
     WorkerEvent,
     decode_control,
 )
-from dfca.runtime.metrics_store import MetricsStore
-from dfca.runtime.sharding import assignment, clients_of
-from dfca.runtime.worker_agent import WorkerAgent
+from dfca.runtime.service.http_service import MAX_BODY_BYTES
+from dfca.runtime.worker.worker_agent import WorkerAgent
 from dfca.simulator import prepare
 from dfca.transport import InMemoryBroker, InMemoryTransport
-from dfca.transport.broker_setup import bind_to_deployment, ensure_broker_topology
+from harness.lockstep import client_driver
 from services.metrics.main import MetricsCollector
 from services.topology.main import create_app
 

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from dfca.runtime.launcher import ServiceProcess, Stack, StackOptions, service_env
+from dfca.cli.launcher import ServiceProcess, Stack, StackOptions, service_env
 from dfca.settings import ENV_VARS
 
 

@@ -18,12 +18,12 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from runtime_fixtures import free_port
 
-from dfca import topics
 from dfca.config import ExperimentConfig
-from dfca.evaluation import cluster_ari
-from dfca.runtime.event_consumer import QueueConsumer
-from dfca.runtime.messages import ExperimentEvent, RoundReport, WorkerEvent, encode
-from dfca.runtime.metrics_store import MetricsStore
+from dfca.identity import topics
+from dfca.results.evaluation import cluster_ari
+from dfca.runtime.metrics.metrics_store import MetricsStore
+from dfca.runtime.protocol.messages import ExperimentEvent, RoundReport, WorkerEvent, encode
+from dfca.runtime.service.event_consumer import QueueConsumer
 from dfca.transport import InMemoryBroker, InMemoryTransport
 from services.metrics.main import MAX_STREAMS_PER_CLIENT, MetricsCollector, create_app
 

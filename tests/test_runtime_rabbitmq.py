@@ -41,16 +41,16 @@ from runtime_fixtures import (
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from dfca import principals, topics
 from dfca.algorithms import schedule_of
+from dfca.cli.launcher import Stack
 from dfca.config import ExperimentConfig
 from dfca.graph import build_graph
-from dfca.models import build_model
-from dfca.principals import host_of
-from dfca.runtime.launcher import Stack
-from dfca.runtime.sharding import clients_of
+from dfca.identity import principals, topics
+from dfca.identity.principals import host_of
+from dfca.identity.sharding import clients_of
+from dfca.models.build import build_model
 from dfca.simulator import simulate
-from dfca.wire import Envelope, TensorSpec, encode_message, sha256
+from dfca.wire.codec import Envelope, TensorSpec, encode_message, sha256
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 

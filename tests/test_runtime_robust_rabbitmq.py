@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 from test_driver_equivalence import DEVICES
 
 from dfca.algorithms import schedule_of
+from dfca.cli.launcher import Stack
 from dfca.config import ExperimentConfig
-from dfca.runtime.launcher import Stack
 from dfca.simulator import simulate
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]

@@ -16,10 +16,10 @@ from runtime_fixtures import free_port
 from test_runtime_control_plane import AUTH, TOKEN, small
 
 from dfca.config import ExperimentConfig
-from dfca.runtime.coordinator import PRESENT_FOR_S, Coordinator
-from dfca.runtime.experiments import HEARTBEAT_S, ExperimentRecord
-from dfca.runtime.messages import PresenceEvent, WorkerEvent
-from dfca.runtime.registration import known_to_topology
+from dfca.runtime.control.coordinator import PRESENT_FOR_S, Coordinator
+from dfca.runtime.control.experiments import HEARTBEAT_S, ExperimentRecord
+from dfca.runtime.protocol.messages import PresenceEvent, WorkerEvent
+from dfca.runtime.service.registration import known_to_topology
 from dfca.transport import InMemoryBroker, InMemoryTransport, connect_transport
 from services.aggregator.main import Aggregator
 from services.aggregator.main import create_app as create_aggregator_app

@@ -12,13 +12,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from dfca import topics
 from dfca.config import ExperimentConfig
 from dfca.graph import build_graph, neighbours
-from dfca.runtime.client_runner import ClientRunner, RunSpec, checkpoint_path
-from dfca.runtime.host_transport import HostTransport, RunInterrupted
-from dfca.runtime.liveness import NeighbourLiveness
-from dfca.runtime.messages import (
+from dfca.identity import topics
+from dfca.runtime.driver.host_transport import HostTransport, RunInterrupted
+from dfca.runtime.driver.liveness import NeighbourLiveness
+from dfca.runtime.protocol.messages import (
     FinalModelsShare,
     GoCommand,
     MessageInvalid,
@@ -31,6 +30,7 @@ from dfca.runtime.messages import (
     decode_event,
     encode,
 )
+from dfca.runtime.worker.client_runner import ClientRunner, RunSpec, checkpoint_path
 from dfca.simulator import simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport
 

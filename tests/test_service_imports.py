@@ -28,7 +28,7 @@ def test_a_simulated_run_and_its_clustering_metrics_import_none_of_them() -> Non
     """The ARI and the matched accuracy (dfca.core.label_matching) need neither: importing them made a run's first
     round 2.6 s of the demo's 9.7 s, and stalled a metrics service's first report."""
     code = ("import sys, torch; from dfca.config import ExperimentConfig; from dfca.simulator import simulate; "
-            "from dfca.evaluation import cluster_ari, cluster_accuracy; "
+            "from dfca.results.evaluation import cluster_ari, cluster_accuracy; "
             "a = torch.tensor([0, 0, 1, 1]); t = torch.tensor([1, 1, 0, 0]); "
             "cfg = ExperimentConfig.model_validate({'name': 't', 'clusters': 2, 'rounds': 2, 'data': "
             "{'dataset': 'mnist-bundled', 'rotations': [0, 180], 'clients': 8, 'train_per_client': 20, "

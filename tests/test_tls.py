@@ -21,9 +21,9 @@ import uvicorn
 from rabbitmq_node import RabbitMQNode, RabbitMQNodeError, free_port, server_bin_dir
 from runtime_fixtures import TOKEN
 
-from dfca.runtime.coordinator import Coordinator
-from dfca.runtime.http_service import server_config
-from dfca.runtime_client import Endpoints, RuntimeClient
+from dfca.cli.runtime_client import Endpoints, RuntimeClient
+from dfca.runtime.control.coordinator import Coordinator
+from dfca.runtime.service.http_service import server_config
 from dfca.transport import InMemoryBroker, InMemoryTransport, RabbitMQTransport, TransportError
 from services.topology.main import create_app
 

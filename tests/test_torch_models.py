@@ -1,4 +1,4 @@
-"""`model.kind: torch`: any nn.Module, every client's copy trained at once (dfca.torch_model), in both drivers.
+"""`model.kind: torch`: any nn.Module, every client's copy trained at once (dfca.models.torch_model), in both drivers.
 
 - the step is exactly a per-client torch loop (torch.optim.SGD, momentum, shuffles, sample masks, BatchNorm
   statistics per client), and the built-in MLP written as a module ends a round where the built-in MLP does, in
@@ -30,19 +30,20 @@ from torch import nn
 from torch_factories import DataDependent, batch_norm_cnn, dropout_mlp
 from typer.testing import CliRunner
 
-from dfca import topics
-from dfca.cli import app
+from dfca.cli.main import app
 from dfca.config import ExperimentConfig
 from dfca.data import build_federated_data
 from dfca.data.shapes import sample_shape
 from dfca.graph import neighbours
-from dfca.model_factory import ModelFactoryError, allowed_factories, check_config_model
-from dfca.models import Params, build_model, client_permutations
+from dfca.identity import topics
+from dfca.models.batched import Params, client_permutations
+from dfca.models.build import build_model
+from dfca.models.factory import ModelFactoryError, allowed_factories, check_config_model
+from dfca.models.torch_model import TorchModel
 from dfca.run_size import RunTooLarge
-from dfca.runtime.lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
 from dfca.simulator import Simulation, prepare, simulate
-from dfca.torch_model import TorchModel
-from dfca.wire import Envelope, PayloadRejected, decode_message, encode_message, serialize, sha256
+from dfca.wire.codec import Envelope, PayloadRejected, decode_message, encode_message, serialize, sha256
+from harness.lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
 from services.topology.main import create_app
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,8 +10,8 @@ from test_driver_equivalence import config_for, small_config, transport_factory
 
 from dfca.algorithms import schedule_of
 from dfca.graph import neighbours
-from dfca.runtime.lockstep import run_lockstep
 from dfca.simulator import prepare, simulate
+from harness.lockstep import run_lockstep
 
 
 def both_drivers(cfg):  # type: ignore[no-untyped-def]

@@ -1,4 +1,4 @@
-"""broker/ files agree with dfca.topics and with what the transport and scripts expect."""
+"""broker/ files agree with dfca.identity.topics and with what the transport and scripts expect."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 import re
 from pathlib import Path
 
-from dfca import topics
-from dfca.transport.broker_setup import broker_definitions, password_matches, rabbitmq_password_hash
+from dfca.identity import topics
+from dfca.identity.broker_setup import broker_definitions, password_matches, rabbitmq_password_hash
 
 BROKER = Path(__file__).resolve().parents[1] / "broker"
 

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 import pytest
 from transport_contract import Connect, Names, TransportContract
 
-from dfca import topics
+from dfca.identity import topics
+from dfca.identity.broker_setup import ensure_broker_topology
 from dfca.transport import (
     InMemoryBroker,
     InMemoryTransport,
@@ -16,7 +17,6 @@ from dfca.transport import (
     connect_transport,
     process_memory_broker,
 )
-from dfca.transport.broker_setup import ensure_broker_topology
 
 
 class TestInMemoryTransport(TransportContract):

@@ -15,10 +15,10 @@ import pytest
 from rabbitmq_node import RabbitMQNode
 from transport_contract import Connect, Names, TransportContract, dead_letter_pair, must_receive
 
-from dfca import topics
+from dfca.identity import topics
+from dfca.identity.broker_setup import ensure_broker_topology
 from dfca.transport import Message, RabbitMQTransport, Transport, TransportError, connect_transport
 from dfca.transport.amqp_frames import FrameReadingConnection
-from dfca.transport.broker_setup import ensure_broker_topology
 from dfca.transport.chunking import CHUNK_COUNT, CHUNK_ID, CHUNK_INDEX
 from dfca.transport.rabbitmq import UNREADABLE_HEADER
 

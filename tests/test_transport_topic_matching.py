@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dfca import topics
+from dfca.identity import topics
 from dfca.transport import topic_matches
 
 CASES = [

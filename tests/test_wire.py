@@ -9,10 +9,9 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save
 
-from dfca import topics
 from dfca.core.quantize import dequantize
-from dfca.safetensors_layout import to_bytes
-from dfca.wire import (
+from dfca.identity import topics
+from dfca.wire.codec import (
     Envelope,
     PayloadRejected,
     Spec,
@@ -30,6 +29,7 @@ from dfca.wire import (
     shape_of,
     stacked,
 )
+from dfca.wire.safetensors_layout import to_bytes
 
 W0 = "worker-0"  # the host word of every client when one worker hosts them all
 AGG = "aggregator"  # the host word of a central role
@@ -311,7 +311,7 @@ def test_decoded_codes_are_stacked_as_the_floats_would_be() -> None:
 
 
 def test_the_body_is_safetensors_own_file_byte_for_byte() -> None:
-    """serialize (header plus views, dfca.safetensors_layout) writes the bytes safetensors' own writer writes, for
+    """serialize (header plus views, dfca.wire.safetensors_layout) writes the bytes safetensors' own writer writes, for
     every dtype a payload or a checkpoint holds, 0-d and empty tensors and metadata included, and the file is
     contiguous CPU tensors only."""
     g = torch.Generator().manual_seed(5)

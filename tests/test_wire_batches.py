@@ -1,4 +1,5 @@
-"""Messages encoded and decoded together (dfca.wire_batches) are what dfca.wire gives one message at a time: the same
+"""Messages encoded and decoded together (dfca.wire.batches) are what dfca.wire.codec gives one message at a time:
+the same
 bytes and headers, the same values, the same rejections with the same reasons, whatever else shares the batch."""
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from dfca import topics
-from dfca.wire import (
+from dfca.identity import topics
+from dfca.wire.batches import decode_messages, encode_rows, payload_layout
+from dfca.wire.codec import (
     Envelope,
     PayloadRejected,
     Spec,
@@ -22,7 +24,6 @@ from dfca.wire import (
     sha256,
     stacked,
 )
-from dfca.wire_batches import decode_messages, encode_rows, payload_layout
 
 W0 = "worker-0"
 GOSSIP: Spec = {"num.w": TensorSpec((2, 3, 4)), "num.b": TensorSpec((2, 4)), "den": TensorSpec((2,), "float32")}

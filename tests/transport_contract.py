@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from dfca import topics
+from dfca.identity import topics
 from dfca.transport import Message, QueueLimits, Transport, TransportError
-from dfca.wire import Envelope, TensorSpec, decode_message, encode_message
+from dfca.wire.codec import Envelope, TensorSpec, decode_message, encode_message
 
 W0 = "worker-0"  # the host word of every client when one worker hosts them all
 

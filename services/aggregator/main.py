@@ -1,7 +1,8 @@
-"""The optional aggregator: central roles (dfca.runtime.central_roles) on the same broker, on DFCA_DEVICE.
+"""The optional aggregator: central roles (dfca.runtime.aggregator.central_roles) on the same broker, on DFCA_DEVICE.
 
 Health on DFCA_PORT (default 8083): /livez, /readyz (broker reachable, control consumer running, and the topology
-service knows this aggregator: dfca.runtime.registration); GET /status lists the roles running. Roles checkpoint to
+service knows this aggregator: dfca.runtime.service.registration); GET /status lists the roles running. Roles
+checkpoint to
 DFCA_CHECKPOINT_DIR; on start the aggregator asks the topology service (DFCA_TOPOLOGY_URL) which experiments
 are running and resumes the roles of those that have one.
 """
@@ -16,12 +17,12 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from dfca import topics
-from dfca.runtime.central_roles import CENTRAL_ROLES, ServerRole
-from dfca.runtime.event_consumer import QueueConsumer
-from dfca.runtime.experiments import HEARTBEAT_S
-from dfca.runtime.http_service import add_health_routes, serve
-from dfca.runtime.messages import (
+from dfca.identity import topics
+from dfca.identity.broker_setup import bind_to_deployment, ensure_broker_topology
+from dfca.identity.topics import aggregator_control_queue, deployment_tag
+from dfca.runtime.aggregator.central_roles import CENTRAL_ROLES, ServerRole
+from dfca.runtime.control.experiments import HEARTBEAT_S
+from dfca.runtime.protocol.messages import (
     GoCommand,
     PresenceEvent,
     StartCommand,
@@ -31,13 +32,13 @@ from dfca.runtime.messages import (
     decode_control,
     encode,
 )
-from dfca.runtime.registration import known_to_topology
-from dfca.runtime.structured_logs import configure_logging
-from dfca.runtime.worker_agent import running_specs
+from dfca.runtime.service.event_consumer import QueueConsumer
+from dfca.runtime.service.http_service import add_health_routes, serve
+from dfca.runtime.service.registration import known_to_topology
+from dfca.runtime.service.structured_logs import configure_logging
+from dfca.runtime.worker.worker_agent import running_specs
 from dfca.settings import ServiceSettings, service_auth
-from dfca.topics import aggregator_control_queue, deployment_tag
 from dfca.transport import connect_transport
-from dfca.transport.broker_setup import bind_to_deployment, ensure_broker_topology
 
 log = logging.getLogger(__name__)
 

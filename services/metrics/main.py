@@ -4,7 +4,7 @@ GET /experiments, GET /experiments/{id}/summary (summary.json's fields), GET /ex
 (per-round history and worker state changes), GET /experiments/{id}/events (server-sent events: live
 progress), GET /experiments/{id}/models[/{file}] (the final models and assignments, as `dfca run` saves them),
 GET /experiments/{id}/plots[/{file}] (the plots `dfca run` draws), GET /metrics (Prometheus), /livez, /readyz,
-and the web dashboard at /ui (`dfca.runtime.dashboard`).
+and the web dashboard at /ui (`dfca.runtime.metrics.dashboard`).
 """
 
 from __future__ import annotations
@@ -22,14 +22,17 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from dfca import topics
 from dfca.config import ExperimentConfig
-from dfca.runtime.dashboard import add_dashboard
-from dfca.runtime.event_consumer import QueueConsumer
-from dfca.runtime.experiment_results import NoResults, model_files, plot_files
-from dfca.runtime.experiments import EventRefused, check_round
-from dfca.runtime.http_service import RequestGuard, add_health_routes, add_validation_errors, serve
-from dfca.runtime.messages import (
+from dfca.identity import topics
+from dfca.identity.broker_setup import bind_to_deployment, ensure_broker_topology
+from dfca.identity.topics import dead_letter_tap_queue, deployment_tag, events_queue
+from dfca.runtime.control.experiments import EventRefused, check_round
+from dfca.runtime.metrics.dashboard import add_dashboard
+from dfca.runtime.metrics.experiment_results import NoResults, model_files, plot_files
+from dfca.runtime.metrics.metrics_store import MetricsStore
+from dfca.runtime.metrics.prometheus_export import RuntimeCollector
+from dfca.runtime.metrics.run_summary import final_evaluation, history, summary_of
+from dfca.runtime.protocol.messages import (
     TERMINAL_STATUSES,
     ExperimentEvent,
     FinalModelsShare,
@@ -39,14 +42,11 @@ from dfca.runtime.messages import (
     decode_event,
     event_principal,
 )
-from dfca.runtime.metrics_store import MetricsStore
-from dfca.runtime.prometheus_export import RuntimeCollector
-from dfca.runtime.run_summary import final_evaluation, history, summary_of
-from dfca.runtime.structured_logs import configure_logging
+from dfca.runtime.service.event_consumer import QueueConsumer
+from dfca.runtime.service.http_service import RequestGuard, add_health_routes, add_validation_errors, serve
+from dfca.runtime.service.structured_logs import configure_logging
 from dfca.settings import ServiceSettings
-from dfca.topics import dead_letter_tap_queue, deployment_tag, events_queue
 from dfca.transport import Transport, connect_transport
-from dfca.transport.broker_setup import bind_to_deployment, ensure_broker_topology
 
 log = logging.getLogger(__name__)
 DEAD_LETTER_BATCH = 500

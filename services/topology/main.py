@@ -1,4 +1,4 @@
-"""The topology service: the control plane's REST API (FastAPI) over `dfca.runtime.coordinator`.
+"""The topology service: the control plane's REST API (FastAPI) over `dfca.runtime.control.coordinator`.
 
 POST /experiments (an ExperimentConfig; 201 {"id"}), POST /experiments/{id}:start, POST /experiments/{id}:stop,
 POST /experiments/{id}/edges ({"add": [[u, v]], "remove": [[u, v]]}), GET /experiments, GET /experiments/{id},
@@ -19,12 +19,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from dfca.config import ExperimentConfig
-from dfca.runtime.coordinator import ConfigRejected, Coordinator, InvalidTransition, UnknownExperiment
-from dfca.runtime.experiments import EdgeChangeInvalid
-from dfca.runtime.http_service import RequestGuard, add_health_routes, add_validation_errors, bearer_auth, serve
-from dfca.runtime.structured_logs import configure_logging
+from dfca.identity.topics import deployment_tag
+from dfca.runtime.control.coordinator import ConfigRejected, Coordinator, InvalidTransition, UnknownExperiment
+from dfca.runtime.control.experiments import EdgeChangeInvalid
+from dfca.runtime.service.http_service import RequestGuard, add_health_routes, add_validation_errors, bearer_auth, serve
+from dfca.runtime.service.structured_logs import configure_logging
 from dfca.settings import ServiceSettings, env
-from dfca.topics import deployment_tag
 from dfca.transport import connect_transport
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The worker service: hosts clients c with c % DFCA_WORKERS == DFCA_WORKER_ORDINAL of every experiment.
 
 Health on DFCA_PORT (default 8082): /livez, /readyz (broker reachable, running experiments rejoined, and the
-topology service knows this worker: dfca.runtime.registration),
+topology service knows this worker: dfca.runtime.service.registration),
 GET /status (this worker's runners).
 """
 
@@ -13,12 +13,11 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from dfca.attacks import Attack
-from dfca.runtime.http_service import add_health_routes, serve
-from dfca.runtime.structured_logs import configure_logging
-from dfca.runtime.worker_agent import WorkerAgent
+from dfca.identity.topics import deployment_tag
+from dfca.runtime.service.http_service import add_health_routes, serve
+from dfca.runtime.service.structured_logs import configure_logging
+from dfca.runtime.worker.worker_agent import WorkerAgent
 from dfca.settings import ServiceSettings
-from dfca.topics import deployment_tag
 from dfca.transport import Transport, connect_transport
 
 log = logging.getLogger(__name__)
@@ -47,10 +46,8 @@ def main() -> None:
     def connect(prefetch: int) -> Transport:
         return connect_transport(settings.broker_url, prefetch=prefetch, name=f"dfca-worker-{ordinal}")
 
-    forge = Attack.parse(settings.forge) if settings.forge else None
     agent = WorkerAgent(deployment_tag(settings.topology_url), ordinal, settings.workers, connect,
-                        Path(settings.checkpoint_dir), settings.topology_url, settings.data_root, settings.device,
-                        forge)
+                        Path(settings.checkpoint_dir), settings.topology_url, settings.data_root, settings.device)
     agent.start()
     log.info("worker %d of %d up", ordinal, settings.workers)
     try:

@@ -2,7 +2,7 @@
 
 `cpu` and `cuda` mean what they say; `cuda` on a machine without a CUDA device is an error that names
 the setting. `auto` takes the GPU when there is one and logs once when it falls back to the CPU.
-Payloads cross the wire as CPU tensors whatever the device (dfca.wire).
+Payloads cross the wire as CPU tensors whatever the device (dfca.wire.codec).
 
 float32 means float32 on a GPU too: torch lets cuDNN run float32 convolutions in TF32 (a 10-bit mantissa) unless
 told otherwise, which moves a convolution's result by about 1e-3 and depends on how many clients are batched

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from dfca.config import TopologyConfig
+    from dfca.sections import TopologyConfig
 
 
 

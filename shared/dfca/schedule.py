@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from dfca.config import ExperimentConfig, TopologyConfig
+    from dfca.sections import ExperimentBase, TopologyConfig
 
 
 def diameter_bound(topology: TopologyConfig, n: int) -> int:
@@ -38,7 +38,7 @@ class RoundSchedule:
     """The plain schedule: no preparation rounds, one-hop exchanges, train.lr decayed by train.lr_decay every
     round and train.local_epochs local epochs per round."""
 
-    def __init__(self, cfg: ExperimentConfig) -> None:
+    def __init__(self, cfg: ExperimentBase) -> None:
         self.cfg = cfg
         self.seeding_rounds = self.preparation_rounds()
         self.total_rounds = cfg.rounds + self.seeding_rounds

@@ -13,7 +13,7 @@ ENV_VARS: dict[str, str] = {
     "DFCA_API_TOKEN": "bearer token that mutating REST calls must carry (it is good for reads too); only the topology "
                       "and metrics services hold it",
     "DFCA_READ_TOKEN": "bearer token that reads of the REST APIs must carry; unset: reads are open",
-    "DFCA_BROKER_USERS": "JSON file of each principal's AMQP URL (python -m dfca.broker_users) for `dfca up`",
+    "DFCA_BROKER_USERS": "JSON file of each principal's AMQP URL (python -m dfca.identity.broker_users) for `dfca up`",
     "DFCA_TOPOLOGY_URL": "base URL of the topology service, for workers and the aggregator",
     "DFCA_METRICS_URL": "base URL of the metrics service",
     "DFCA_METRICS_DB_URL": "SQLAlchemy URL of the metrics store (SQLite by default, PostgreSQL by URL)",
@@ -28,9 +28,7 @@ ENV_VARS: dict[str, str] = {
     "DFCA_TLS_CERT": "PEM certificate (chain) a service's HTTP server presents: it answers HTTPS only",
     "DFCA_TLS_KEY": "PEM private key of DFCA_TLS_CERT",
     "DFCA_MODEL_FACTORIES": "comma-separated module prefixes and folders whose model factories (model.kind: torch) "
-                            "the runtime may import; unset: none (dfca.model_factory)",
-    "DFCA_FORGE": "robustness experiments only: this worker forges what its clients send, e.g. "
-                  "'seed=relay,gossip=zeros' (dfca.attacks); never set in a real deployment",
+                            "the runtime may import; unset: none (dfca.models.factory)",
 }
 
 DEFAULT_BROKER_URL = "amqp://dfca:dfca@127.0.0.1:5672/dfca"
@@ -66,7 +64,6 @@ class ServiceSettings:
     data_root: str | None
     device: str | None
     log_level: str
-    forge: str | None = None
 
     @classmethod
     def from_env(cls, service: str) -> ServiceSettings:
@@ -85,5 +82,4 @@ class ServiceSettings:
             data_root=env("DFCA_DATA_ROOT"),
             device=env("DFCA_DEVICE") or None,
             log_level=env("DFCA_LOG_LEVEL", "INFO") or "INFO",
-            forge=env("DFCA_FORGE") or None,
         )

@@ -25,14 +25,18 @@ import networkx as nx
 import torch
 from torch import Tensor
 
-from dfca import principals, topics
 from dfca.algorithms import Algorithm, Exchange, HostContext, Inbox, Outbox, clients_of, schedule_of, server_of
 from dfca.algorithms.base import SERVER, Evaluation, check_finite, report_of
-from dfca.collapse import CollapseWatch
 from dfca.config import ExperimentConfig
 from dfca.data import FederatedData, build_federated_data
 from dfca.devices import resolve_device
-from dfca.evaluation import (
+from dfca.graph import adjacency_matrix, build_graph, neighbours
+from dfca.heap import keep_freed_memory
+from dfca.identity import principals, topics
+from dfca.models.batched import BatchedModel, Params
+from dfca.models.build import model_from_config
+from dfca.results.collapse import CollapseWatch
+from dfca.results.evaluation import (
     assignment_counts,
     cluster_accuracy,
     cluster_ari,
@@ -40,11 +44,8 @@ from dfca.evaluation import (
     index_consistency,
     populated_clusters,
 )
-from dfca.graph import adjacency_matrix, build_graph, neighbours
-from dfca.heap import keep_freed_memory
-from dfca.models import BatchedModel, Params, model_from_config
 from dfca.run_size import check_fits_memory
-from dfca.wire import PAYLOAD_DTYPES, Envelope, as_received, body_bytes, headers_of, message_bytes
+from dfca.wire.codec import PAYLOAD_DTYPES, Envelope, as_received, body_bytes, headers_of, message_bytes
 
 log = logging.getLogger(__name__)
 

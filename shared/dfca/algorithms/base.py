@@ -27,18 +27,18 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from dfca import topics
 from dfca.core import accuracy_with, loss_matrix
 from dfca.data import FederatedData
-from dfca.models import BatchedModel, Params
+from dfca.identity import topics
+from dfca.models.batched import BatchedModel, Params
 from dfca.schedule import RoundSchedule
 from dfca.sections import Strict
-from dfca.wire import PAYLOAD_DTYPES, TensorSpec, as_received, model_as_received
+from dfca.wire.codec import PAYLOAD_DTYPES, TensorSpec, as_received, model_as_received
 
 if TYPE_CHECKING:
     import networkx as nx
 
-    from dfca.config import ExperimentConfig
+    from dfca.sections import ExperimentBase
 
 Side = Literal["clients", "server"]
 SERVER = topics.SERVER_SENDER  # the sender id of a central role
@@ -131,7 +131,7 @@ class Evaluation:
 class HostContext:
     """What an algorithm instance is built from: config, model, the hosted clients and their data."""
 
-    cfg: ExperimentConfig
+    cfg: ExperimentBase
     model: BatchedModel
     data: FederatedData | None  # the hosted clients' shards, on `device` (None for a central role)
     clients: list[int]  # the hosted rows' global client ids
@@ -170,21 +170,21 @@ class Algorithm(ABC):
         return data
 
     @classmethod  # noqa: B027 - an optional hook
-    def check_config(cls, cfg: ExperimentConfig) -> None:
+    def check_config(cls, cfg: ExperimentBase) -> None:
         """Raise ValueError (naming the field) when `cfg`'s other sections do not suit this algorithm."""
 
     @classmethod
-    def extra_model_copies(cls, cfg: ExperimentConfig) -> int:
+    def extra_model_copies(cls, cfg: ExperimentBase) -> int:
         """Model copies per client beyond the k its state holds (for the run's memory estimate, dfca.run_size)."""
         return 0
 
     @classmethod
-    def variant(cls, cfg: ExperimentConfig) -> str | None:
+    def variant(cls, cfg: ExperimentBase) -> str | None:
         """Which of its rules `cfg` runs, as a run's summary names it (None: it has one)."""
         return None
 
     @classmethod
-    def rounds_note(cls, cfg: ExperimentConfig) -> str:
+    def rounds_note(cls, cfg: ExperimentBase) -> str:
         """What `dfca run` adds after the number of rounds (an algorithm that stops on its own says so)."""
         return ""
 
@@ -258,7 +258,7 @@ class Algorithm(ABC):
         self.ctx.graph = graph
 
     @classmethod
-    def run_metrics(cls, cfg: ExperimentConfig, report: Mapping[str, list[Any]], data: Callable[[], FederatedData],
+    def run_metrics(cls, cfg: ExperimentBase, report: Mapping[str, list[Any]], data: Callable[[], FederatedData],
                     graph: Graph) -> dict[str, float]:
         """Metrics over every client's report (`report_of`), beyond the accuracy and ARI every run reports.
 
@@ -325,7 +325,7 @@ def algorithm_class(name: str) -> type[Algorithm]:
     return CLIENTS[name]
 
 
-def schedule_of(cfg: ExperimentConfig) -> RoundSchedule:
+def schedule_of(cfg: ExperimentBase) -> RoundSchedule:
     """The round schedule of `cfg`: its algorithm's `Schedule`."""
     return algorithm_class(cfg.algorithm).Schedule(cfg)
 

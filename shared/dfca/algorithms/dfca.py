@@ -65,14 +65,14 @@ from dfca.core.consensus import (
 from dfca.core.params import gather_clusters
 from dfca.core.screened_gossip import Screen, displacement
 from dfca.core.seeding import SeedCandidates, first_slot_scores, fit_scores, refused_candidates, responds_to_input
-from dfca.models import Params
+from dfca.models.batched import Params
 from dfca.run_size import SCREEN_COPIES
 from dfca.schedule import RoundSchedule, diameter_bound
 from dfca.sections import Strict
-from dfca.wire import TensorSpec
+from dfca.wire.codec import TensorSpec
 
 if TYPE_CHECKING:
-    from dfca.config import ExperimentConfig
+    from dfca.sections import ExperimentBase
 
 SCREEN_SAMPLES = 64  # samples per client that screened gossip's loss test evaluates an estimate on
 DUPLICATE_AGREEMENT = 0.99  # a seed candidate predicting what an installed seed predicts this often is its copy
@@ -205,7 +205,7 @@ class DFCASchedule(RoundSchedule):
     (eq. 7/8: the paper's rule, or robust with `gossip_steps: 0` after the warm-up). The warm-up counts
     from the first training round."""
 
-    def __init__(self, cfg: ExperimentConfig) -> None:
+    def __init__(self, cfg: ExperimentBase) -> None:
         self.flood_rounds = cfg.dfca.flood_rounds or min(diameter_bound(cfg.topology, cfg.data.clients),
                                                          cfg.data.clients - 1)
         super().__init__(cfg)
@@ -263,11 +263,11 @@ class DFCA(Algorithm):
         return {**data, "runtime": {**given, "payload_dtype": "int8"}}
 
     @classmethod
-    def extra_model_copies(cls, cfg: ExperimentConfig) -> int:
+    def extra_model_copies(cls, cfg: ExperimentBase) -> int:
         return SCREEN_COPIES if cfg.dfca.screen else 0
 
     @classmethod
-    def variant(cls, cfg: ExperimentConfig) -> str | None:
+    def variant(cls, cfg: ExperimentBase) -> str | None:
         return cfg.dfca.variant
 
     def graph_warning(self, graph: nx.Graph) -> str | None:

@@ -27,8 +27,8 @@ from dfca.algorithms.base import (
 )
 from dfca.core import fold_models, init_cluster_models, round_seeds, train_assigned
 from dfca.core.mixing import metropolis_hastings_weights
-from dfca.models import Params
-from dfca.wire import TensorSpec
+from dfca.models.batched import Params
+from dfca.wire.codec import TensorSpec
 
 
 class DFedAvgM(Algorithm):

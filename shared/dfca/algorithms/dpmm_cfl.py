@@ -35,7 +35,7 @@ from pydantic import Field
 from dfca.algorithms.base import HostContext
 from dfca.algorithms.server_clustering import ClusteredClients, ClusteringServer, generator_for
 from dfca.core.dpmm import DPMMSampler, NormalNormal, canonical, nearest_neighbour_variance, pooled_variance
-from dfca.models import Params
+from dfca.models.batched import Params
 from dfca.sections import Strict
 
 

@@ -65,12 +65,12 @@ from dfca.algorithms.base import Algorithm, Evaluation, Exchange, Graph, HostCon
 from dfca.core import autoencoder as ae
 from dfca.core.cluster_refinement import agreement, communities, dirty_labels, merged_communities, reconstructs, refine
 from dfca.data import FederatedData
-from dfca.data.categories import MAX_CATEGORIES_PER_CLIENT, category_range
-from dfca.sections import Strict
-from dfca.wire import TensorSpec
+from dfca.data.categories import category_range
+from dfca.sections import MAX_CATEGORIES_PER_CLIENT, Strict
+from dfca.wire.codec import TensorSpec
 
 if TYPE_CHECKING:
-    from dfca.config import ExperimentConfig
+    from dfca.sections import ExperimentBase
 
 MODELS, ASSOCIATIONS, FEDAVG, MERGES = "models", "associations", "fedavg", "merges"
 VOTE_BITS = 62  # community votes per int64 word
@@ -155,7 +155,7 @@ class FedCRef(Algorithm):
         return out
 
     @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
+    def check_config(cls, cfg: ExperimentBase) -> None:
         data = cfg.data
         if cfg.topology.kind != "complete":
             raise ValueError("topology.kind: fedcref exchanges models all-to-all (Algorithm 1, line 9): use complete")
@@ -174,7 +174,7 @@ class FedCRef(Algorithm):
                                  f"got [{low}, {high}]")
 
     @classmethod
-    def rounds_note(cls, cfg: ExperimentConfig) -> str:
+    def rounds_note(cls, cfg: ExperimentBase) -> str:
         return " at most (FedCRef stops when its communities settle)"
 
     def __init__(self, ctx: HostContext) -> None:
@@ -598,7 +598,7 @@ class FedCRef(Algorithm):
         self.done = bool(tensors["done"][0])
 
     @classmethod
-    def run_metrics(cls, cfg: ExperimentConfig, report: Mapping[str, list[Any]], data: Callable[[], FederatedData],
+    def run_metrics(cls, cfg: ExperimentBase, report: Mapping[str, list[Any]], data: Callable[[], FederatedData],
                     graph: Graph) -> dict[str, float]:
         """The paper's Sec. 5.3 metrics over every reported client: ACC (eq. 4) initial and now, |G| against |U|,
         wrong associations (%) and isolated clusters."""

@@ -57,12 +57,12 @@ from dfca.core.kmeans import (
 )
 from dfca.core.label_matching import adjusted_rand_index
 from dfca.data import FederatedData
-from dfca.models import Params
+from dfca.models.batched import Params
 from dfca.sections import Strict
-from dfca.wire import TensorSpec
+from dfca.wire.codec import TensorSpec
 
 if TYPE_CHECKING:
-    from dfca.config import ExperimentConfig
+    from dfca.sections import ExperimentBase
 
 CENTROIDS = "centroids"
 
@@ -142,7 +142,7 @@ class KMeansNodes(Algorithm):
         return {f"node_{c}": {CENTROIDS: self.centroids[r]} for r, c in enumerate(self.ctx.clients)}
 
     @classmethod
-    def run_metrics(cls, cfg: ExperimentConfig, report: Mapping[str, list[Any]], data: Callable[[], FederatedData],
+    def run_metrics(cls, cfg: ExperimentBase, report: Mapping[str, list[Any]], data: Callable[[], FederatedData],
                     graph: Graph) -> dict[str, float]:
         return kmeans_metrics(cfg, data(), graph, report)
 
@@ -256,7 +256,7 @@ class DistKMeans(KMeansNodes):
 _REFERENCES: dict[tuple[Any, ...], Tensor] = {}  # the data's config -> W^cen (it depends on nothing else)
 
 
-def centralised_centroids(cfg: ExperimentConfig, points: Tensor) -> Tensor:
+def centralised_centroids(cfg: ExperimentBase, points: Tensor) -> Tensor:
     """k-means on the pooled points [P, d] (k-means++, 10 starts, seeded): eq. (12)'s reference W^cen."""
     from sklearn.cluster import KMeans  # when used: slow to import
 
@@ -269,7 +269,7 @@ def centralised_centroids(cfg: ExperimentConfig, points: Tensor) -> Tensor:
     return _REFERENCES[key]
 
 
-def kmeans_metrics(cfg: ExperimentConfig, data: FederatedData, graph: Graph,
+def kmeans_metrics(cfg: ExperimentBase, data: FederatedData, graph: Graph,
                    report: Mapping[str, list[Any]]) -> dict[str, float]:
     """Eq. (12) and company over the nodes in `report` (clients, centroids): GCD, CV, point ARI, the objective (7),
     and `centralised_loss`, the k-means loss (2) of W^cen on the reported nodes' points.

@@ -41,10 +41,10 @@ from dfca.core.soft_assignment import (
     sample_losses,
     train_on_cluster_data,
 )
-from dfca.models import Params, client_permutations
+from dfca.models.batched import Params, client_permutations
 from dfca.schedule import RoundSchedule
 from dfca.sections import Strict
-from dfca.wire import TensorSpec
+from dfca.wire.codec import TensorSpec
 
 FINAL_PHASE_ROUND = 1_000_003  # seed offset of the final phase's sample orders
 

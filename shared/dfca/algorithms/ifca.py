@@ -27,8 +27,8 @@ from dfca.algorithms.base import (
     state_of,
 )
 from dfca.core import assign_clusters, fold_models, gather_clusters, round_seeds
-from dfca.models import Params, client_permutations
-from dfca.wire import TensorSpec
+from dfca.models.batched import Params, client_permutations
+from dfca.wire.codec import TensorSpec
 
 SERVER_GRACE = 2.0  # a client waits this many round timeouts for the server's models (the server's deadline first)
 

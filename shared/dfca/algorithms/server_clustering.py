@@ -34,11 +34,11 @@ from dfca.algorithms.base import (
     state_of,
 )
 from dfca.core import accuracy_with, loss_matrix, round_seeds
-from dfca.models import BatchedModel, Params, client_permutations
-from dfca.wire import TensorSpec
+from dfca.models.batched import BatchedModel, Params, client_permutations
+from dfca.wire.codec import TensorSpec
 
 if TYPE_CHECKING:
-    from dfca.config import ExperimentConfig
+    from dfca.sections import ExperimentBase
 
 SERVER_GRACE = 2.0  # a client waits this many round timeouts for the server's models
 CHAIN = ("splits_proposed", "splits_accepted", "merges_proposed", "merges_accepted")
@@ -158,7 +158,7 @@ class ClusteredClients(Algorithm):
         self.chain = tensors["chain"].to(self.ctx.device)
 
     @classmethod
-    def run_metrics(cls, cfg: ExperimentConfig, report: Mapping[str, list[Any]], data: Any,
+    def run_metrics(cls, cfg: ExperimentBase, report: Mapping[str, list[Any]], data: Any,
                     graph: Graph) -> dict[str, float]:
         """K_t, the clients' mean macro-F1 and the sampler's acceptance rates this round."""
         out = {"inferred_clusters": float(len(set(report["assigned"]))),

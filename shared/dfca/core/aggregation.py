@@ -22,7 +22,7 @@ from torch import Tensor
 
 from dfca.core.params import cluster_views
 from dfca.core.sparse_factor import product_factor
-from dfca.models import Params
+from dfca.models.batched import Params
 
 
 def self_weights(assigned: Tensor, k: int, merge: str) -> Tensor:

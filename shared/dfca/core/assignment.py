@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dfca.core.params import gather_clusters
-from dfca.models import BatchedModel, Params
+from dfca.models.batched import BatchedModel, Params
 
 EVAL_BLOCK = 64  # clients evaluated together
 

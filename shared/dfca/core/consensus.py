@@ -30,7 +30,7 @@ from dfca.core import sparse_factor
 from dfca.core.params import cluster_views
 from dfca.core.ratio import MIN_WEIGHT, ratio_estimate, trailing
 from dfca.core.screened_gossip import Screen, screened_mix
-from dfca.models import Params
+from dfca.models.batched import Params
 
 
 def gossip_matrix(delivered: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from dfca.core.params import gather_clusters, scatter_clusters
-from dfca.models import BatchedModel, Params, client_permutations
+from dfca.models.batched import BatchedModel, Params, client_permutations
 
 
 def round_seeds(seed: int, clients: Sequence[int], round_: int) -> list[int]:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dfca.models import BatchedModel, Params
+from dfca.models.batched import BatchedModel, Params
 
 
 def init_cluster_models(

@@ -1,7 +1,7 @@
 """Ratio consensus's (num, den) pairs: when a pair holds an estimate, and the estimate num / den.
 
 Shared by plain consensus (core.consensus), screened gossip (core.screened_gossip) and the forged pairs of
-dfca.attacks, so that all of them agree on what counts as no weight.
+harness.forgery, so that all of them agree on what counts as no weight.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from dfca.models import Params
+from dfca.models.batched import Params
 
 
 def first_slot_scores(seed: int, clients: Sequence[int]) -> Tensor:
@@ -96,7 +96,7 @@ class SeedCandidates:
     local model, or a model that arrived with a candidate. A driver hosting every client never needs
     the second: it carries origins alone, and models are read only when a slot closes.
 
-    `wire` is what crossing the wire does to a model (a lossy payload's rounding, dfca.wire.as_received; None:
+    `wire` is what crossing the wire does to a model (a lossy payload's rounding, dfca.wire.codec.as_received; None:
     nothing): a client holding another client's candidate holds it as received, wherever its origin is hosted.
     The rounding is idempotent, so a copy relayed any number of times is that copy."""
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from dfca.core.label_matching import min_cost_matching
 from dfca.core.params import gather_clusters, scatter_clusters
-from dfca.models import BatchedModel, Params, client_permutations
+from dfca.models.batched import BatchedModel, Params, client_permutations
 
 EVAL_BLOCK = 64  # clients evaluated together
 

@@ -33,15 +33,14 @@ from dfca.data.pool import ImagePool, PooledSource
 from dfca.data.shards import FederatedData
 
 if TYPE_CHECKING:
-    from dfca.config import ExperimentConfig
+    from dfca.sections import ExperimentBase
 
 log = logging.getLogger(__name__)
 
 PADDING = -1  # the label of a padded slot
-MAX_CATEGORIES_PER_CLIENT = 63  # a client's clusters travel as the bits of an int64 (algorithms.fedcref)
 
 
-def category_range(cfg: ExperimentConfig, classes: int) -> tuple[int, int]:
+def category_range(cfg: ExperimentBase, classes: int) -> tuple[int, int]:
     """[low, high] of K_i, checked against the pool's classes."""
     low, high = cfg.data.categories_per_client or (2, max(classes // 2, 2))
     if high > classes:
@@ -56,7 +55,7 @@ def samples_per_category(wanted: int, overlap: float, pool_sizes: np.ndarray, ho
                      for size, h in zip(pool_sizes, holders, strict=True)], dtype=np.int64)
 
 
-def category_data(cfg: ExperimentConfig, source: PooledSource) -> FederatedData:
+def category_data(cfg: ExperimentBase, source: PooledSource) -> FederatedData:
     data, classes = cfg.data, source.num_classes
     pool = ImagePool(torch.cat([source.train.images, source.test.images]),
                      torch.cat([source.train.labels, source.test.labels]), source.train.scale)

@@ -26,7 +26,7 @@ from dfca.data.partition import seeded_rng
 from dfca.data.shards import FederatedData
 
 if TYPE_CHECKING:
-    from dfca.config import ExperimentConfig
+    from dfca.sections import ExperimentBase
 
 BLOB_SEPARATION = 5.0
 HETEROGENEOUS_STD = (1.0, 2.5, 0.5)
@@ -46,7 +46,7 @@ def blob_centres(k: int, dim: int, rng: np.random.Generator, box: float = 10.0, 
                      "use fewer clusters or more data.feature_dim")
 
 
-def blobs(cfg: ExperimentConfig) -> FederatedData:
+def blobs(cfg: ExperimentBase) -> FederatedData:
     from sklearn.datasets import make_blobs  # when used: slow to import
 
     data, k, n = cfg.data, cfg.clusters, cfg.data.clients

@@ -71,7 +71,7 @@ from dfca.data.rotation import cluster_rotations, rotate_by_distribution
 from dfca.data.shards import FederatedData
 
 if TYPE_CHECKING:
-    from dfca.config import DataConfig, ExperimentConfig
+    from dfca.sections import DataConfig, ExperimentBase
 
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def split_source(pool: ImagePool, num_classes: int, test_fraction: float, seed: 
     return PooledSource(train, test, num_classes)
 
 
-def build_federated_data(cfg: ExperimentConfig) -> FederatedData:
+def build_federated_data(cfg: ExperimentBase) -> FederatedData:
     """The config's client shards: images (rotated per cluster), or feature vectors (dfca.data.features)."""
     if cfg.data.dataset == "blobs":
         return features.blobs(cfg)
@@ -109,7 +109,7 @@ def build_federated_data(cfg: ExperimentConfig) -> FederatedData:
     return images
 
 
-def label_skew(cfg: ExperimentConfig) -> FederatedData:
+def label_skew(cfg: ExperimentBase) -> FederatedData:
     source = load_source(cfg.data, cfg.seed)
     if not isinstance(source, PooledSource):
         raise ValueError(f"data.partition: {cfg.data.partition} splits a pooled dataset; {cfg.data.dataset} comes "
@@ -117,7 +117,7 @@ def label_skew(cfg: ExperimentConfig) -> FederatedData:
     return category_data(cfg, source) if cfg.data.partition == "categories" else label_skew_data(cfg, source)
 
 
-def client_images(cfg: ExperimentConfig) -> FederatedData:
+def client_images(cfg: ExperimentBase) -> FederatedData:
     data, k, n_clients = cfg.data, cfg.clusters, cfg.data.clients
     rotations = cluster_rotations(data.rotations, k)
     source = load_source(data, cfg.seed)

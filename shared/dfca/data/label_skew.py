@@ -28,7 +28,7 @@ from dfca.data.pool import ImagePool, PooledSource
 from dfca.data.shards import FederatedData
 
 if TYPE_CHECKING:
-    from dfca.config import ExperimentConfig
+    from dfca.sections import ExperimentBase
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def deal(pool: ImagePool, counts: np.ndarray, rng: np.random.Generator, split: s
     return pool.pixels(index), pool.labels[index]
 
 
-def label_skew_data(cfg: ExperimentConfig, source: PooledSource) -> FederatedData:
+def label_skew_data(cfg: ExperimentBase, source: PooledSource) -> FederatedData:
     """`data.partition` (dirichlet or class_split) of a pooled dataset, with `data.groups` true groups."""
     data = cfg.data
     groups = data.groups or cfg.clusters

@@ -10,7 +10,7 @@ from dfca.data.femnist import FEMNIST_CLASSES
 from dfca.data.idx import EMNIST_BALANCED_CLASSES
 
 if TYPE_CHECKING:
-    from dfca.config import DataConfig
+    from dfca.sections import DataConfig
 
 IMAGE_SHAPES: dict[str, tuple[int, ...]] = {
     "mnist-bundled": (1, 28, 28), "mnist": (1, 28, 28), "emnist": (1, 28, 28), "femnist": (1, 28, 28),

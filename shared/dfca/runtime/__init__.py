@@ -1,16 +1,20 @@
-"""The distributed runtime's shared parts: the services in `services/` only wire these to a broker and HTTP.
+"""The distributed runtime, a folder for each process it runs in (the services in `services/` wire these to a broker
+and HTTP):
 
-- `message_driver`: driver 2, any algorithm's rows over a transport: the pump that joins `hearing` (who
-  hears whom), `admission` (sender's host, cut-off, future rounds), `ledger` (dedupe, hold, staleness,
-  waiting, deadlines), `folding`, `outbox`, `decoding`, `bindings`, `delivery`, `checkpoints` and `driver_stats`;
-- `messages`: control commands and metric events (pydantic JSON, never pickle);
-- `sharding`: which worker hosts which clients;
-- `host_transport`: the transport a worker's driver talks through (deferred acks, lag, stop);
-- `liveness`: which senders a driver still waits for;
-- `client_runner`: the round loop of one experiment on one worker, with checkpoints and resume;
-- `worker_agent`: one worker process: its runners, control consumer and heartbeats;
-- `coordinator` and `experiments`: the topology service's control plane and experiment records;
-- `metrics_store`, `run_summary`, `prometheus_export`: the metrics service's storage and views;
-- `central_roles`: the aggregator's central roles (an algorithm's server side);
-- `launcher`: `dfca up`, the whole stack as supervised OS processes.
+- `driver/`: driver 2, the message driver, in every worker and in the aggregator: the pump (`message_driver`) and its
+  parts (`hearing`, `admission`, `ledger`, `folding`, `outbox`, `decoding`, `bindings`, `delivery`, `liveness`,
+  `checkpoints`, `driver_stats`), and `host_transport`, the transport a worker's driver talks through;
+- `worker/`: a worker process: `worker_agent` (its control queue, heartbeats, runners) and `client_runner` (one
+  experiment's round loop, checkpoints and resume);
+- `aggregator/`: the aggregator process: `central_roles` (an algorithm's server side);
+- `control/`: the topology service: `coordinator` (experiments, graphs, what workers are told) and `experiments`
+  (an experiment's record and the rules that move it along);
+- `metrics/`: the metrics service: `metrics_store`, `run_summary`, `prometheus_export`, `experiment_results`, and the
+  dashboard (`dashboard`, `dashboard_static/`);
+- `service/`: what every service process has: `http_service` (health, auth, uvicorn), `structured_logs`,
+  `event_consumer` (JSON documents from a queue), `registration` (does the topology service know this process);
+- `protocol/`: what the processes say to each other: `messages` (commands and events, pydantic JSON, never pickle)
+  and `final_models` (a worker's share of the final models).
+
+`dfca up` (the whole stack as supervised processes on one machine) is the command's: dfca.cli.launcher.
 """

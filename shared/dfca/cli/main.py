@@ -1,0 +1,275 @@
+"""The `dfca` command: `dfca run` (embedded simulator) and the service entry points."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from dfca.algorithms import schedule_of
+from dfca.config import ConfigError, ExperimentConfig, load_config
+from dfca.devices import DeviceUnavailable, resolve_device
+from dfca.results.run_folder import OutFolderRefused, prepare_out, written_files
+
+app = typer.Typer(add_completion=False, help="Decentralized clustered federated learning (DFCA and baselines).")
+console = Console(stderr=True)
+DEFAULT_CONFIG = Path(__file__).parents[1] / "configs" / "demo.yaml"
+SET_HELP = "override one config field by its dotted path, e.g. --set train.lr=0.05 (repeatable; YAML values)"
+
+
+def version_text() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("dfca")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        ours = "unknown (not installed)"
+    import torch
+
+    return f"dfca {ours} (torch {torch.__version__}, python {'.'.join(map(str, __import__('sys').version_info[:3]))})"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        print(version_text())
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", "-V", callback=_show_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
+    """Decentralized clustered federated learning (DFCA and baselines)."""
+
+
+def _load(config: Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
+    try:
+        return load_config(config or DEFAULT_CONFIG, overrides or [])
+    except ConfigError as err:
+        console.print(f"[bold red]invalid config:[/] {err}")
+        raise typer.Exit(2) from err
+
+
+def _check_model(cfg: ExperimentConfig) -> None:
+    """A `kind: torch` model must come out of its factory fitting the data (dfca.models.factory), before any data
+    is read; this is the user's own process, so the factory may be any module or file."""
+    from dfca.models.factory import ModelFactoryError, check_config_model
+
+    try:
+        check_config_model(cfg)
+    except ModelFactoryError as err:
+        console.print(f"[bold red]invalid config:[/] {err}")
+        raise typer.Exit(2) from err
+
+
+def _check_device(cfg: ExperimentConfig) -> None:
+    """`device` must exist on this machine for `dfca run` (workers check DFCA_DEVICE or `device` themselves)."""
+    try:
+        resolve_device(cfg.device)
+    except DeviceUnavailable as err:
+        console.print(f"[bold red]invalid config:[/] {err}")
+        raise typer.Exit(2) from err
+
+
+def results_table(summary: dict[str, Any]) -> Table:
+    table = Table(title=f"{summary['name']}: {summary['algorithm']} ({summary['clients']} clients)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    keys = ("test_accuracy", "cluster_ari", "cluster_acc", "populated_clusters", "rounds", "seconds_per_round",
+            "wall_seconds")
+    if "gcd" in summary:  # a k-means run clusters points: its own metrics first
+        keys = ("gcd", "cv", "point_ari", "objective", "centralised_loss", "test_accuracy", "rounds",
+                "seconds_per_round", "wall_seconds")
+    if "inferred_clusters" in summary:  # DPMM-CFL, FeSEM: K, and the paper's last-3-round means
+        keys = ("inferred_clusters", "test_accuracy", "macro_f1", "test_accuracy_last3", "macro_f1_last3",
+                "cluster_ari", "rounds", "seconds_per_round", "wall_seconds")
+    if "communities_found" in summary:  # FedCRef clusters every client's samples: the paper's Sec. 5.3 metrics
+        keys = ("initial_acc", "final_acc", "communities_found", "true_categories", "wrong_associations",
+                "isolated_clusters", "iterations", "seconds_per_round", "wall_seconds")
+    for key in keys:
+        value = summary[key]
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    return table
+
+
+@app.command()
+def run(
+    config: Path = typer.Argument(None, help="experiment YAML; without it, the bundled demo runs"),
+    out: Path = typer.Option(None, "--out", "-o", show_default=False,
+                             help="output folder, new or empty [default: runs/latest, replaced on every run]"),
+    force: bool = typer.Option(False, "--force", help="clear a non-empty --out first"),
+    sets: list[str] = typer.Option(None, "--set", help=SET_HELP),
+    rounds: int = typer.Option(None, help="short for --set rounds=N"),
+    seed: int = typer.Option(None, help="short for --set seed=N"),
+) -> None:
+    """Run an experiment in one process (every client vectorized, simulated network) and write its results."""
+    from dfca.results.outputs import MetricsLog, plot_history, save_models, write_summary
+    from dfca.simulator import simulate
+
+    overrides = list(sets or []) + [f"{k}={v}" for k, v in (("rounds", rounds), ("seed", seed)) if v is not None]
+    cfg = _load(config, overrides)
+    _check_device(cfg)
+    _check_model(cfg)
+    try:
+        out = prepare_out(out, force)
+    except OutFolderRefused as err:
+        console.print(f"[bold red]error:[/] {err}")
+        raise typer.Exit(2) from err
+    log = MetricsLog(out / "metrics.jsonl")
+    console.print(f"[bold]{cfg.name}[/]: {cfg.algorithm}, {cfg.data.clients} clients, k={cfg.clusters}, "
+                  f"{cfg.rounds} rounds{seeding_note(cfg)}{stop_note(cfg)}, {cfg.topology.kind} graph -> {out}")
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console) as progress:
+        task = progress.add_task("rounds", total=schedule_of(cfg).total_rounds, status="")
+
+        def on_round(record: dict[str, Any]) -> None:
+            log.write(record)
+            for warning in record.get("warnings", []):
+                progress.console.print(f"[yellow]warning:[/] {warning}")
+            progress.update(task, completed=record["round"],
+                            status=round_status(record))
+
+        try:
+            result = simulate(cfg, on_round=on_round)
+        except (ValueError, FileNotFoundError) as err:
+            console.print(f"[bold red]error:[/] {err}")
+            raise typer.Exit(1) from err
+        finally:
+            log.close()
+        ran = int(result.history[-1]["round"]) if result.history else 0
+        progress.update(task, total=ran, completed=ran)  # a run that stopped itself early ends a full bar
+    write_summary(out, result.summary, cfg)
+    save_models(out, result.final_models, result.assigned.tolist())
+    plot_history(out, result.history, cfg.name, schedule_of(cfg).seeding_rounds)
+    Console().print(results_table(result.summary))
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+    console.print(f"wrote {out}/: " + ", ".join(written_files(out)), soft_wrap=True)
+
+
+@app.command("validate")
+def validate(config: Path = typer.Argument(..., help="experiment YAML"),
+             sets: list[str] = typer.Option(None, "--set", help=SET_HELP)) -> None:
+    """Check a config file (with any --set overrides) against the schema, that its `device` is here, and that a
+    `model.kind: torch` factory makes a module that fits the data."""
+    cfg = _load(config, sets)
+    _check_device(cfg)
+    _check_model(cfg)
+    console.print(f"[green]ok[/]: {cfg.name} ({cfg.algorithm}, device {resolve_device(cfg.device)})")
+
+
+def _service(name: str) -> None:
+    logging.basicConfig(level=logging.INFO)
+    try:
+        module = importlib.import_module(f"services.{name}.main")
+    except ModuleNotFoundError as err:
+        console.print(f"[bold red]service {name!r} is not installed:[/] {err}")
+        raise typer.Exit(1) from err
+    module.main()
+
+
+@app.command()
+def worker() -> None:
+    """Run a client worker (hosts 1..M clients; reads DFCA_* env vars)."""
+    _service("worker")
+
+
+@app.command()
+def topology() -> None:
+    """Run the topology control plane (REST on DFCA_HOST:DFCA_PORT, default 127.0.0.1:8080)."""
+    _service("topology")
+
+
+@app.command()
+def metrics() -> None:
+    """Run the metrics collector (REST on DFCA_HOST:DFCA_PORT, default 127.0.0.1:8081)."""
+    _service("metrics")
+
+
+@app.command()
+def aggregator() -> None:
+    """Run the optional central aggregator (central roles: IFCA's server)."""
+    _service("aggregator")
+
+
+@app.command()
+def up(
+    workers: int = typer.Option(3, "--workers", "-n", min=1, help="worker processes"),
+    broker: str = typer.Option(None, "--broker", help="AMQP URL; default DFCA_BROKER_URL or the local RabbitMQ"),
+    host: str = typer.Option("127.0.0.1", help="address every service binds to"),
+    topology_port: int = typer.Option(8080, help="topology REST API port"),
+    metrics_port: int = typer.Option(8081, help="metrics REST API port"),
+    aggregator: bool = typer.Option(False, "--aggregator/--no-aggregator", help="also run the aggregator (8083)"),
+    worker_port_base: int = typer.Option(8090, help="worker i serves /livez and /readyz on this port + i"),
+    state_dir: Path = typer.Option(Path(".dfca"), help="checkpoints, metrics database and logs go here"),
+    log_to_files: bool = typer.Option(False, "--log-files", help="services log to STATE_DIR/logs/ instead"),
+    broker_users: Path = typer.Option(None, "--broker-users", help="each process connects as its own broker user: "
+                                      "the URLs `python -m dfca.identity.broker_users create` wrote (default "
+                                      "DFCA_BROKER_USERS; none: every process uses --broker)"),
+) -> None:
+    """Run the whole stack locally (topology, metrics, N workers) as OS processes; Ctrl-C stops it."""
+    import os
+
+    from dfca.cli.launcher import StackOptions, run_stack
+    from dfca.identity.broker_users import read_urls
+    from dfca.settings import DEFAULT_BROKER_URL
+
+    options = StackOptions(
+        workers=workers, broker_url=broker or os.environ.get("DFCA_BROKER_URL") or DEFAULT_BROKER_URL, host=host,
+        topology_port=topology_port, metrics_port=metrics_port, aggregator_port=8083 if aggregator else None,
+        worker_port_base=worker_port_base,
+        api_token=os.environ.get("DFCA_API_TOKEN", ""), read_token=os.environ.get("DFCA_READ_TOKEN", ""),
+        state_dir=state_dir,
+        metrics_db_url=os.environ.get("DFCA_METRICS_DB_URL"), data_root=os.environ.get("DFCA_DATA_ROOT"),
+        log_level=os.environ.get("DFCA_LOG_LEVEL", "INFO"), log_to_files=log_to_files,
+        model_factories=os.environ.get("DFCA_MODEL_FACTORIES", ""),
+    )
+    users_file = broker_users or (Path(os.environ["DFCA_BROKER_USERS"]) if os.environ.get("DFCA_BROKER_USERS")
+                                  else None)
+    if users_file is not None:
+        try:
+            options.broker_users = read_urls(users_file)
+            for ordinal in range(workers):
+                options.broker_url_of(f"worker-{ordinal}")
+        except ValueError as err:
+            typer.echo(f"dfca up: {err}", err=True)
+            raise typer.Exit(2) from None
+    raise typer.Exit(run_stack(options))
+
+
+def round_status(record: dict[str, Any]) -> str:
+    if "gcd" in record:  # k-means: how far the nodes are from the centralised solution and from each other
+        return f"GCD {record['gcd']:.2e} CV {record['cv']:.2e}"
+    if "communities_found" in record:
+        return (f"ACC {record['test_accuracy']:.3f} |G| {record['communities_found']:.0f} "
+                f"|I| {record['isolated_clusters']:.0f}")
+    if "inferred_clusters" in record:
+        return f"K {record['inferred_clusters']:.0f} acc {record['test_accuracy']:.3f} F1 {record['macro_f1']:.3f}"
+    return f"acc {record['test_accuracy']:.3f} ARI {record['ari']:.2f}"
+
+
+def stop_note(cfg: ExperimentConfig) -> str:
+    return cfg.algorithm_class.rounds_note(cfg)
+
+
+def seeding_note(cfg: ExperimentConfig) -> str:
+    seeding = schedule_of(cfg).seeding_rounds
+    return f" after {seeding} rounds of farthest-first seeding (dfca.seeding)" if seeding else ""
+
+
+from dfca.cli.remote_commands import register as _register_remote_commands  # noqa: E402
+
+_register_remote_commands(app)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

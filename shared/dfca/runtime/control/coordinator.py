@@ -1,0 +1,373 @@
+"""The topology service's control plane: experiments, graphs, and what workers are told.
+
+The REST layer (`services/topology`) calls `create`, `start`, `stop`, `change_edges` and the
+views; one loop thread consumes worker events from `dfca.metrics` and, every tick, sends the
+start barrier's `go`, presumes silent workers dead and settles finished experiments.
+
+Edge changes (FedSPD's dynamic network) bind the new edges' queues at once, so no model of a new
+neighbour is lost, and tell workers to switch neighbour lists before round `effective_round`
+(two rounds after the most advanced worker), where each worker's driver rebinds its queues. Records
+are kept in memory and, with a `state_dir`, as one JSON file per experiment so a restarted
+topology service picks up where it was.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dfca.algorithms import SERVERS
+from dfca.config import ExperimentConfig
+from dfca.graph import build_graph
+from dfca.identity import topics
+from dfca.identity.broker_setup import bind_to_deployment, ensure_broker_topology
+from dfca.identity.principals import host_of, worker
+from dfca.identity.topics import events_queue
+from dfca.models.factory import ModelFactoryError, allowed_factories, check_config_model
+from dfca.runtime.control.experiments import DONE_STATES, HEARTBEAT_S, RUNTIME_ALGORITHMS, ExperimentRecord
+from dfca.runtime.protocol.messages import (
+    ExperimentEvent,
+    FinalModelsShare,
+    GoCommand,
+    PresenceEvent,
+    RoundReport,
+    StartCommand,
+    StopCommand,
+    TopologyChange,
+    WorkerEvent,
+    decode_event,
+    encode,
+    event_principal,
+)
+from dfca.runtime.service.event_consumer import QueueConsumer
+from dfca.transport import Transport
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.5
+BUS_SILENCE_S = 3 * HEARTBEAT_S  # no event from any worker for this long: the bus (or this service) is down
+PRESENT_FOR_S = 5 * HEARTBEAT_S  # a worker or aggregator last heard from longer ago than this is not present
+
+
+class UnknownExperiment(KeyError):
+    pass
+
+
+class InvalidTransition(ValueError):
+    """A start or stop that the experiment's status does not allow (HTTP 409)."""
+
+
+class ConfigRejected(ValueError):
+    """A valid config the runtime cannot run (HTTP 422); `field` names the culprit."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def experiment_id(cfg: ExperimentConfig) -> str:
+    return topics.experiment_id(cfg.name, uuid.uuid4().hex[:topics.EXPERIMENT_SUFFIX])
+
+
+class Coordinator:
+    """`workers`: how many workers the deployment runs (DFCA_WORKERS); None learns it from the workers'
+    presence announcements, and without any, uses the config's `runtime.workers`."""
+
+    def __init__(self, transport: Transport, deployment: str, workers: int | None = None,
+                 state_dir: Path | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.transport = transport
+        self.deployment = deployment
+        self.workers = workers
+        self.presence: dict[int, tuple[int, float]] = {}  # ordinal -> (its DFCA_WORKERS, last seen)
+        self.aggregator_seen = float("-inf")  # when an aggregator last announced itself
+        self.last_heard = clock()  # any event from any worker
+        self.heard_again_at = self.last_heard  # after a silence of everyone: nobody is presumed dead before
+        # dead_after seconds from here
+        self.state_dir = state_dir
+        self.clock = clock
+        self.records: dict[str, ExperimentRecord] = {}
+        self.lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.consumer: QueueConsumer | None = None
+        self._load()
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def open(self) -> None:
+        """Declare dfca's exchanges and this service's event queue, then start the loop thread."""
+        ensure_broker_topology(self.transport)
+        queue = events_queue(self.deployment, "topology")
+        self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.SERVICE_QUEUE_LIMITS)
+        bind_to_deployment(self.transport, queue, topics.METRICS_EXCHANGE, self.deployment)
+        self.consumer = QueueConsumer(self.transport, queue, decode_event, self.on_event, event_principal)
+        self._thread = threading.Thread(target=self._loop, name="coordinator", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _loop(self) -> None:
+        assert self.consumer is not None
+        next_tick = 0.0
+        while not self._stop.is_set():
+            try:
+                self.consumer.poll(min(TICK_S, max(next_tick - time.monotonic(), 0.01)))
+                if time.monotonic() >= next_tick:
+                    self.tick()
+                    next_tick = time.monotonic() + TICK_S
+            except Exception:  # keep the control plane alive; the transport reconnects by itself
+                log.exception("coordinator loop error")
+                self._stop.wait(1.0)
+
+    # -- REST operations ---------------------------------------------------------------------------------
+    def create(self, cfg: ExperimentConfig) -> ExperimentRecord:
+        if cfg.algorithm not in RUNTIME_ALGORITHMS:
+            raise ConfigRejected("algorithm", f"algorithm: the runtime runs {sorted(RUNTIME_ALGORITHMS)}, "
+                                              f"not {cfg.algorithm!r} (use `dfca run` for it)")
+        try:
+            check_config_model(cfg, allowed_factories())  # the operator's allow-list: REST carries names, not code
+        except ModelFactoryError as err:
+            raise ConfigRejected(err.field, str(err)) from err
+        try:
+            graph = build_graph(cfg.topology, cfg.data.clients, cfg.seed)
+        except ValueError as err:
+            raise ConfigRejected("topology", str(err)) from err
+        record = ExperimentRecord.new(experiment_id(cfg), cfg, graph, self.worker_count(cfg))
+        with self.lock:
+            self.records[record.id] = record
+            self._changed(record)
+        log.info("experiment %s created", record.id, extra={"experiment": record.id})
+        return record
+
+    def worker_count(self, cfg: ExperimentConfig) -> int:
+        if self.workers is not None:
+            return self.workers
+        return max(self._recent_presence().values(), default=cfg.runtime.workers or 1)
+
+    def present_workers(self) -> int | None:
+        """The workers the deployment runs: DFCA_WORKERS, else what the workers announce; None if unknown."""
+        if self.workers is not None:
+            return self.workers
+        return max(self._recent_presence().values(), default=None)
+
+    def _recent_presence(self) -> dict[int, int]:
+        """ordinal -> its DFCA_WORKERS, for the workers heard from within PRESENT_FOR_S."""
+        now = self.clock()
+        return {o: w for o, (w, seen) in self.presence.items() if now - seen < PRESENT_FOR_S}
+
+    def aggregator_present(self) -> bool:
+        return self.clock() - self.aggregator_seen < PRESENT_FOR_S
+
+    def deployment_view(self) -> dict[str, Any]:
+        """What this service knows of the deployment's processes (GET /deployment): the workers it runs
+        (DFCA_WORKERS, or null where they are learnt from presence), the ordinals heard from within PRESENT_FOR_S,
+        and whether an aggregator is. A worker or the aggregator is ready only once it is known here."""
+        return {"deployment": self.deployment, "workers": self.present_workers(),
+                "workers_present": sorted(self._recent_presence()), "aggregator": self.aggregator_present()}
+
+    def check_can_run(self, cfg: ExperimentConfig) -> None:
+        """Refuse (409) what cannot run here: a central-role algorithm with no aggregator, or a config that asks
+        for another number of workers than the deployment has."""
+        if cfg.algorithm in SERVERS and not self.aggregator_present():
+            raise InvalidTransition(
+                f"algorithm {cfg.algorithm!r} needs the aggregator (its server runs there) and no aggregator has "
+                "announced itself: start one (`dfca up --aggregator`, compose `--profile aggregator`, or the k8s "
+                "aggregator Deployment), then start the experiment again")
+        present = self.present_workers()
+        if cfg.runtime.workers is not None and present is not None and cfg.runtime.workers != present:
+            raise InvalidTransition(
+                f"runtime.workers is {cfg.runtime.workers} but {present} workers are present; set runtime.workers "
+                f"to {present} or leave it out (the run uses the workers present)")
+
+    def get(self, experiment: str) -> ExperimentRecord:
+        with self.lock:
+            record = self.records.get(experiment)
+        if record is None:
+            raise UnknownExperiment(experiment)
+        return record
+
+    def list(self) -> list[ExperimentRecord]:
+        with self.lock:
+            return sorted(self.records.values(), key=lambda r: r.created_at)
+
+    def start(self, experiment: str) -> ExperimentRecord:
+        with self.lock:
+            record = self.get(experiment)
+            if record.status != "created":
+                raise InvalidTransition(f"experiment {experiment} is {record.status}; only a created one starts")
+            self.check_can_run(record.config)
+            record.workers = self.worker_count(record.config)
+            record.start(self.clock())
+            if record.config.algorithm in SERVERS:
+                self._declare_server_queue(record)
+            self._control(StartCommand(deployment=self.deployment, experiment=record.id, config=record.config,
+                                       workers=record.workers, neighbours=record.neighbours(),
+                                       topology_version=record.topology_version))
+            self._changed(record)
+        log.info("experiment %s started on %d workers", record.id, record.workers, extra={"experiment": record.id})
+        return record
+
+    def delete(self, experiment: str) -> None:
+        """Forget an experiment that is not running (created, or over): its record, graph and saved file. Its
+        metrics stay in the metrics service."""
+        with self.lock:
+            record = self.get(experiment)
+            if record.status in ("running", "stopping"):
+                raise InvalidTransition(f"experiment {experiment} is {record.status}; stop it before deleting it")
+            del self.records[experiment]
+        if self.state_dir is not None:
+            (self.state_dir / f"{experiment}.json").unlink(missing_ok=True)
+        log.info("experiment %s deleted", experiment, extra={"experiment": experiment})
+
+    def stop(self, experiment: str) -> ExperimentRecord:
+        with self.lock:
+            record = self.get(experiment)
+            if record.terminal:
+                raise InvalidTransition(f"experiment {experiment} is already {record.status}")
+            if record.status == "created":
+                record.finish("stopped", self.clock())
+            elif record.status == "running":
+                record.status, record.stop_requested_at = "stopping", self.clock()
+                self._control(StopCommand(deployment=self.deployment, experiment=record.id))
+            self._changed(record)
+        return record
+
+    def change_edges(self, experiment: str, add: list[tuple[int, int]], remove: list[tuple[int, int]]
+                     ) -> ExperimentRecord:
+        with self.lock:
+            record = self.get(experiment)
+            if record.terminal or record.status == "stopping":
+                raise InvalidTransition(f"experiment {experiment} is {record.status}")
+            before = record.neighbours()
+            record.change_edges(add, remove)
+            after = record.neighbours()
+            if record.status == "running":
+                ahead = max((v.round for v in record.worker_views.values()), default=0)
+                record.effective_round = ahead + 2
+                self._bind_new_edges(record, before, after)
+                self._control(TopologyChange(deployment=self.deployment, experiment=record.id,
+                                             version=record.topology_version,
+                                             effective_round=record.effective_round, neighbours=after))
+            self._changed(record, announce=False)
+        return record
+
+    def _declare_server_queue(self, record: ExperimentRecord) -> None:
+        """The central role's queue, bound to every client's uploads: they wait there until the aggregator's role
+        has started (workers may not declare it: dfca.identity.broker_users)."""
+        queue = topics.server_queue(record.id)
+        self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.MODEL_QUEUE_LIMITS)
+        for client in range(record.num_clients):
+            self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(record.id, client))
+
+    def _bind_new_edges(self, record: ExperimentRecord, before: dict[int, list[int]],
+                        after: dict[int, list[int]]) -> None:
+        """Bind each worker's queue to the clients hosted elsewhere that its clients newly neighbour, before any worker
+        switches to the new graph, so that nothing a new neighbour sends from the effective round on is lost (a
+        worker delivers its own clients' messages itself)."""
+        heard: dict[str, set[int]] = {}
+        for client, neighbours in after.items():
+            host = host_of(client, record.workers)
+            heard.setdefault(host, set()).update(m for m in set(neighbours) - set(before[client])
+                                                 if host_of(m, record.workers) != host)
+        for host, new in heard.items():
+            queue = topics.worker_queue(record.id, host)
+            if new:
+                self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.MODEL_QUEUE_LIMITS)
+            for m in sorted(new):
+                self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(record.id, m))
+
+    # -- events and ticks --------------------------------------------------------------------------------
+    def on_event(self, event: RoundReport | WorkerEvent | ExperimentEvent | PresenceEvent | FinalModelsShare) -> None:
+        if event.deployment != self.deployment or isinstance(event, ExperimentEvent | FinalModelsShare):
+            return
+        now = self.clock()
+        if now - self.last_heard > BUS_SILENCE_S:
+            self.heard_again_at = now
+            log.info("hearing workers again after %.0f s of silence", now - self.last_heard)
+        self.last_heard = now
+        if isinstance(event, PresenceEvent):
+            if event.role == "aggregator":
+                self.aggregator_seen = self.clock()
+            else:
+                self.presence[event.worker] = (event.workers, self.clock())
+            return
+        with self.lock:
+            record = self.records.get(event.experiment)
+            if record is None or record.status not in ("running", "stopping"):
+                return
+            view = record.worker_views.get(event.worker)
+            before = None if view is None else view.state
+            record.observe(event, self.clock())
+            if record.worker_views[event.worker].state in DONE_STATES and before not in DONE_STATES:
+                self._changed(record, announce=False)  # saved: a restarted service must know it is done
+
+    def tick(self) -> None:
+        now = self.clock()
+        with self.lock:
+            for record in self.records.values():
+                if record.status not in ("running", "stopping"):
+                    continue
+                if record.barrier_passed(now):
+                    record.go = True
+                    self._control(GoCommand(deployment=self.deployment, experiment=record.id))
+                    self._changed(record, announce=False)
+                    log.info("experiment %s: every worker is ready, go", record.id, extra={"experiment": record.id})
+                bus_silent = now - self.last_heard > BUS_SILENCE_S
+                for w in [] if bus_silent else record.mark_dead(now, self.heard_again_at):
+                    log.warning("experiment %s: worker %d is silent, presumed dead", record.id, w,
+                                extra={"experiment": record.id, "worker": w})
+                status = record.settle(now)
+                if status is not None:
+                    record.finish(status, now)
+                    self._changed(record)
+                    self._delete_queues(record)
+                    log.info("experiment %s %s (failed clients: %s)", record.id, status, record.failed_clients,
+                             extra={"experiment": record.id})
+
+    def _delete_queues(self, record: ExperimentRecord) -> None:
+        for ordinal in range(record.workers):
+            try:
+                self.transport.delete_queue(topics.worker_queue(record.id, worker(ordinal)))
+            except Exception as err:  # a queue that never existed, or a broker hiccup: harmless
+                log.debug("could not delete the queue of worker %d: %s", ordinal, err)
+
+    # -- publishing and persistence -------------------------------------------------------------------
+    def _control(self, command: StartCommand | GoCommand | StopCommand | TopologyChange) -> None:
+        key = topics.control_key(self.deployment, command.experiment, command.kind)
+        self.transport.publish(topics.CONTROL_EXCHANGE, key, encode(command))
+
+    def _changed(self, record: ExperimentRecord, announce: bool = True) -> None:
+        if announce:
+            event = ExperimentEvent(deployment=self.deployment, experiment=record.id, status=record.status,
+                                    config=record.config, failed_clients=record.failed_clients)
+            key = topics.metrics_key(self.deployment, record.id, "experiment")
+            self.transport.publish(topics.METRICS_EXCHANGE, key, encode(event))
+        if self.state_dir is not None:
+            try:
+                self.state_dir.mkdir(parents=True, exist_ok=True)
+                tmp = self.state_dir / f"{record.id}.json.tmp"
+                tmp.write_text(json.dumps(record.to_json()))
+                tmp.replace(self.state_dir / f"{record.id}.json")
+            except OSError as err:  # a read-only filesystem: carry on in memory only
+                log.warning("cannot persist experiment records in %s (%s); keeping them in memory only",
+                            self.state_dir, err)
+                self.state_dir = None
+
+    def _load(self) -> None:
+        if self.state_dir is None or not self.state_dir.exists():
+            return
+        for path in sorted(self.state_dir.glob("*.json")):
+            try:
+                record = ExperimentRecord.from_json(json.loads(path.read_text()))
+            except (ValueError, KeyError) as err:
+                log.warning("skipping unreadable experiment record %s: %s", path, err)
+                continue
+            self.records[record.id] = record

@@ -1,0 +1,119 @@
+"""Admission: whether a message delivered to a driver's queue is let in, and whose messages no longer are.
+
+Admission decides, the driver acts (acknowledges, rejects, unbinds); nothing here touches a Transport.
+- the sender's host: a model's routing key must name the principal hosting its sender (client c on worker
+  c % workers, a central role on the aggregator) and, where the driver's own broker user is a principal's, the
+  broker-proven publisher must be that principal
+  (dfca.identity.principals); a copy of a hosted client's message (which the
+  driver delivered itself) is acknowledged unread;
+- cut-off: where publishers are proven, a sender under whose key BLOCK_AFTER_INVALID malformed messages, or as many
+  repeats of messages already used, came in one round is `blocked` for the rest of the run (the broker's own
+  redeliveries do not count; without proven publishers anyone could frame an honest client, so nobody is);
+- future rounds: a message more than MAX_ROUNDS_AHEAD rounds ahead of the receiver is refused (`future_round`),
+  so forged rounds cannot pile up in memory.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+
+from dfca.algorithms.base import SERVER
+from dfca.identity import principals, topics
+
+# A live neighbour is a round or two ahead at most (it waits for this client's messages, or a deadline, in every
+# exchange), but one that presumed this client dead (a restarted worker) runs on: its messages are held for when
+# this client catches up. Beyond this many rounds a message is rejected and counted (`future_round`): forged rounds
+# cannot pile up. (Measured: at 3, a worker restarted at round 4 recovered by timeouts only and its run took more
+# than 5 minutes instead of 1.5.)
+MAX_ROUNDS_AHEAD = 20
+# Malformed messages from one proven sender in one round after which it is cut off. An honest client sends a few
+# valid messages per round and never a malformed one; a flood sends thousands.
+BLOCK_AFTER_INVALID = 20
+
+
+class Screening(Enum):
+    """A message let in before it is decoded."""
+
+    DECODE = "decode"  # let in: decode it
+    LOCAL_COPY = "local_copy"  # a copy of a hosted client's message, delivered in the process: acknowledged unread
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A message refused: dead-lettered and counted under `reason` (DriverStats.rejected); `detail` says why."""
+
+    reason: str
+    detail: str
+
+
+def model_key_of(routing_key: str) -> topics.ModelKey | None:
+    """The routing key parsed (topics.parse_model_key), None where it is malformed."""
+    try:
+        return topics.parse_model_key(routing_key)
+    except ValueError:
+        return None
+
+
+class Admission:
+    """The gate of one driver's queue: `workers` share the clients, `hosted` are the driver's own, `own_user` is the
+    broker user it connects as (a principal's: publishers are proven)."""
+
+    def __init__(self, workers: int, own_user: str, hosted: Iterable[int] = (),
+                 max_rounds_ahead: int = MAX_ROUNDS_AHEAD, block_after: int = BLOCK_AFTER_INVALID) -> None:
+        self.workers = workers
+        self.publishers = principals.PublisherCheck(own_user)
+        self.hosted = set(hosted)
+        self.max_rounds_ahead, self.block_after = max_rounds_ahead, block_after
+        self.invalid: Counter[int] = Counter()  # sender -> malformed or repeated messages under its key this round
+        self.blocked: set[int] = set()  # senders cut off for the rest of the run
+
+    def host_of(self, sender: int) -> str:
+        """The principal hosting `sender`."""
+        return principals.AGGREGATOR if sender == SERVER else principals.host_of(sender, self.workers)
+
+    def begin_round(self) -> None:
+        """Counts against senders are per round."""
+        self.invalid.clear()
+
+    def screen(self, routing_key: str, publisher: str) -> Screening | Refusal:
+        """Before decoding: a hosted sender's copy, one not published by its sender's host (`publisher`), or one to
+        decode."""
+        key = model_key_of(routing_key)
+        if key is not None and key.sender in self.hosted:
+            return Screening.LOCAL_COPY
+        if not self.from_senders_host(key, publisher):
+            return Refusal("publisher", f"published by {publisher!r}, not by its sender's host")
+        return Screening.DECODE
+
+    def from_senders_host(self, key: topics.ModelKey | None, publisher: str) -> bool:
+        """The routing key (`key`, parsed) names the sender's host, and (where publishers are proven) the host
+        published it. A malformed key (None) passes here: the decoder rejects it."""
+        if key is None:
+            return True
+        host = self.host_of(key.sender)
+        return key.host == host and self.publishers.allows(publisher, host)
+
+    def admit_round(self, claimed_round: int, current_round: int) -> Refusal | None:
+        """A decoded message of `claimed_round` at `current_round`: refused (`future_round`) if too far ahead."""
+        if claimed_round <= current_round + self.max_rounds_ahead:
+            return None
+        return Refusal("future_round", f"round {claimed_round} at round {current_round}: more than "
+                                       f"{self.max_rounds_ahead} rounds ahead")
+
+    def count_invalid(self, routing_key: str, redelivered: bool) -> int | None:
+        """A malformed message, or a repeat the broker did not redeliver, counts against the sender its key names
+        where publishers are proven. Returns the sender when this count cuts it off (it is `blocked` from now on:
+        the driver unbinds it and stops waiting for it), else None."""
+        if not self.publishers.strict or redelivered:
+            return None
+        key = model_key_of(routing_key)
+        if key is None or key.sender == SERVER or key.sender in self.blocked:
+            return None
+        self.invalid[key.sender] += 1
+        if self.invalid[key.sender] < self.block_after:
+            return None
+        self.blocked.add(key.sender)
+        return key.sender

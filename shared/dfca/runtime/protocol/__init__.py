@@ -1,0 +1,1 @@
+"""What the runtime's processes say to each other over the broker: documents and final-model shares."""

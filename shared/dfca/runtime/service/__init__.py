@@ -1,0 +1,1 @@
+"""What every service process shares: HTTP health and auth, JSON logs, event queues, registration."""

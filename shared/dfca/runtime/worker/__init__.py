@@ -1,0 +1,1 @@
+"""A worker process: its agent (control queue, heartbeats) and one client runner per experiment."""
