@@ -9,6 +9,8 @@ with a compromised worker's own credentials is in test_broker_least_privilege.py
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,7 @@ from dfca.core.screened_gossip import Screen, budgeted, screened_mix
 from dfca.core.seeding import first_slot_scores, refused_candidates, responds_to_input
 from dfca.data import build_federated_data
 from dfca.graph import build_graph, neighbours
+from dfca.settings import ENV_VARS
 from harness.forged_lockstep import honest_scores, run_with_forger
 from harness.forgery import Attack, top_draw
 
@@ -144,3 +147,15 @@ def test_a_copy_of_an_installed_seed_cannot_seed_another_cluster(honest: dict[st
     attacked = scores(small_config(screen=True), Attack("duplicate", "none"))
     assert attacked["rejected"] > 0, attacked
     assert attacked["cluster_ari"] == 1.0 and attacked["test_accuracy"] >= honest["test_accuracy"] - 0.03, attacked
+
+
+def test_the_product_ships_no_forger_and_no_setting_makes_a_worker_forge() -> None:
+    """The forging tool is the tests' (tests/harness/): no file of the product (the library, the services, the image,
+    compose, k8s) imports it or reads a setting that makes a worker forge, and the services' settings name none."""
+    root = Path(__file__).resolve().parents[1]
+    product = [*(root / "shared").rglob("*.py"), *(root / "services").rglob("*.py"), *(root / "k8s").glob("*.yaml"),
+               root / "Dockerfile", root / "docker-compose.yml"]
+    assert len(product) > 100
+    offenders = [str(p.relative_to(root)) for p in product if re.search(r"\bharness\b|\bForger\b|FORGE", p.read_text())]
+    assert not offenders, offenders
+    assert not [name for name in ENV_VARS if "FORGE" in name]

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from dfca.config import ExperimentConfig
 from dfca.graph import build_graph, neighbours
 from dfca.identity.sharding import clients_of
-from dfca.runtime.aggregator.central_roles import CENTRAL_ROLES, ServerRole
+from dfca.runtime.aggregator.central_roles import ServerRole
 from dfca.runtime.protocol.messages import RoundReport, StartCommand, WorkerEvent
 from dfca.runtime.worker.client_runner import ClientRunner, RunSpec, checkpoint_path
 from dfca.simulator import simulate
@@ -55,7 +55,7 @@ def test_the_ifca_server_carries_on_without_a_worker_that_never_came(tmp_path: P
     cfg = small(algorithm="ifca", rounds=5)
     broker = InMemoryBroker()
     command = StartCommand(deployment="d", experiment="ifca", config=cfg, workers=2, neighbours={})
-    role = CENTRAL_ROLES["ifca"](command, InMemoryTransport(broker))
+    role = ServerRole(command, InMemoryTransport(broker))
     assert isinstance(role, ServerRole)
     stop = threading.Event()
     server_thread = threading.Thread(target=role.run, args=(stop,), daemon=True)

@@ -17,10 +17,11 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
+from dfca.algorithms import central_roles, has_central_role
 from dfca.identity import topics
 from dfca.identity.broker_setup import bind_to_deployment, ensure_broker_topology
 from dfca.identity.topics import aggregator_control_queue, deployment_tag
-from dfca.runtime.aggregator.central_roles import CENTRAL_ROLES, ServerRole
+from dfca.runtime.aggregator.central_roles import ServerRole
 from dfca.runtime.control.experiments import HEARTBEAT_S
 from dfca.runtime.protocol.messages import (
     GoCommand,
@@ -88,7 +89,7 @@ class Aggregator:
         assert self.topology_url
         while not self.stopping.is_set():
             try:
-                for spec in running_specs(self.topology_url, self.deployment, 0, algorithms=CENTRAL_ROLES):
+                for spec in running_specs(self.topology_url, self.deployment, 0, algorithms=central_roles()):
                     self.handle(StartCommand(deployment=self.deployment, experiment=spec.experiment,
                                              config=spec.config, workers=spec.workers, neighbours=spec.neighbours,
                                              topology_version=spec.topology_version))
@@ -107,10 +108,9 @@ class Aggregator:
             with self.lock:
                 if command.experiment in self.roles:
                     return
-                role_class = CENTRAL_ROLES.get(command.config.algorithm)
-                if role_class is None:
+                if not has_central_role(command.config.algorithm):
                     return
-                role = role_class(command, connect_transport(self.broker_url, name="dfca-aggregator-role"),
+                role = ServerRole(command, connect_transport(self.broker_url, name="dfca-aggregator-role"),
                                   self.topology_url, self.device, self.checkpoint_dir)
                 stop = threading.Event()
                 thread = threading.Thread(target=self._run, args=(role, stop), daemon=True)

@@ -47,7 +47,9 @@ def central_roles() -> dict[str, type[Algorithm]]:
     return {name: c.central_role for name, c in CLIENTS.items() if c.central_role is not None}
 
 
-SERVERS: dict[str, type[Algorithm]] = central_roles()  # those of the algorithms above
+def has_central_role(name: str) -> bool:
+    """Whether the algorithm `name` has a server side (the aggregator runs it); False for a name not registered."""
+    return name in CLIENTS and CLIENTS[name].central_role is not None
 
 
 def clients_of(ctx: HostContext) -> Algorithm:
@@ -61,5 +63,5 @@ def server_of(ctx: HostContext) -> Algorithm | None:
     return role(ctx) if role is not None else None
 
 
-__all__ = ["CLIENTS", "SERVERS", "Algorithm", "Evaluation", "Exchange", "HostContext", "Inbox", "Outbox",
-           "algorithm_class", "central_roles", "clients_of", "register", "schedule_of", "server_of", "unregister"]
+__all__ = ["CLIENTS", "Algorithm", "Evaluation", "Exchange", "HostContext", "Inbox", "Outbox", "algorithm_class",
+           "central_roles", "clients_of", "has_central_role", "register", "schedule_of", "server_of", "unregister"]

@@ -1,7 +1,7 @@
 """Ratio consensus's (num, den) pairs: when a pair holds an estimate, and the estimate num / den.
 
-Shared by plain consensus (core.consensus), screened gossip (core.screened_gossip) and the forged pairs of
-harness.forgery, so that all of them agree on what counts as no weight.
+Shared by plain consensus (core.consensus) and screened gossip (core.screened_gossip), so that both agree on what
+counts as no weight (the robustness tests' forged pairs use it too).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The aggregator's central roles: an algorithm's server side (dfca.algorithms.SERVERS), run by the message driver.
+"""The aggregator's central roles: an algorithm's server side (dfca.algorithms.central_roles), over the message
+driver.
 
 The aggregator service receives the same start/stop commands as the workers. For each started experiment
 whose algorithm has a central role (IFCA's server) it runs `ServerRole` on a thread of its own, with its own
@@ -26,7 +27,7 @@ from typing import Any
 import httpx
 import torch
 
-from dfca.algorithms import SERVERS, HostContext, server_of
+from dfca.algorithms import HostContext, server_of
 from dfca.algorithms.base import SERVER
 from dfca.data import build_federated_data
 from dfca.devices import resolve_device
@@ -130,5 +131,3 @@ class ServerRole:
         if self.checkpoint is not None:
             self.checkpoint.unlink(missing_ok=True)
 
-
-CENTRAL_ROLES: dict[str, type[ServerRole]] = {name: ServerRole for name in SERVERS}

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dfca.algorithms import SERVERS
+from dfca.algorithms import has_central_role
 from dfca.config import ExperimentConfig
 from dfca.graph import build_graph
 from dfca.identity import topics
@@ -176,7 +176,7 @@ class Coordinator:
     def check_can_run(self, cfg: ExperimentConfig) -> None:
         """Refuse (409) what cannot run here: a central-role algorithm with no aggregator, or a config that asks
         for another number of workers than the deployment has."""
-        if cfg.algorithm in SERVERS and not self.aggregator_present():
+        if has_central_role(cfg.algorithm) and not self.aggregator_present():
             raise InvalidTransition(
                 f"algorithm {cfg.algorithm!r} needs the aggregator (its server runs there) and no aggregator has "
                 "announced itself: start one (`dfca up --aggregator`, compose `--profile aggregator`, or the k8s "
@@ -206,7 +206,7 @@ class Coordinator:
             self.check_can_run(record.config)
             record.workers = self.worker_count(record.config)
             record.start(self.clock())
-            if record.config.algorithm in SERVERS:
+            if has_central_role(record.config.algorithm):
                 self._declare_server_queue(record)
             self._control(StartCommand(deployment=self.deployment, experiment=record.id, config=record.config,
                                        workers=record.workers, neighbours=record.neighbours(),
