@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from dfca.algorithms import CLIENTS, register, unregister
+from dfca.algorithms import CLIENTS, register, schedule_of, unregister
 from dfca.config import ExperimentConfig, compose_config
 from dfca.graph import neighbours
 from dfca.simulator import prepare, simulate
@@ -131,3 +131,15 @@ def test_the_toy_runs_the_same_on_both_drivers_and_learns(toy: type[Any]) -> Non
     assert sum(d.stats.applied for d in run.drivers) == cfg.rounds * int(ctx.adjacency.sum())
     accuracy = sim.summary["test_accuracy"]
     assert accuracy > 0.8, accuracy  # ten digit classes: chance is 0.1
+
+
+def test_a_round_is_named_in_its_phase() -> None:
+    """One numbering everywhere: robust DFCA's seeding rounds count 1..S as seeding, then training rounds 1..R."""
+    cfg = ExperimentConfig.model_validate({"rounds": 10, "clusters": 2, "data": {"clients": 20, "rotations": [0, 180]},
+                                           "dfca": {"variant": "robust"}})
+    schedule = schedule_of(cfg)
+    seeding = schedule.seeding_rounds
+    assert seeding > 0 and schedule.total_rounds == seeding + 10
+    assert schedule.label(0) == f"seeding 1 of {seeding}" and schedule.phase_round(seeding - 1)[1] == seeding
+    assert schedule.label(seeding) == "round 1 of 10" and schedule.label(seeding + 9) == "round 10 of 10"
+    assert schedule_of(cfg.model_copy(update={"algorithm": "ifca"})).label(0) == "round 1 of 10"

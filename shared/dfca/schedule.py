@@ -50,6 +50,18 @@ class RoundSchedule:
     def phase(self, t: int) -> Literal["seeding", "training"]:
         return "seeding" if t < self.seeding_rounds else "training"
 
+    def phase_round(self, t: int) -> tuple[Literal["seeding", "training"], int, int]:
+        """Round t (0-based, seeding rounds first) as people count it: (phase, its 1-based number in that phase,
+        that phase's rounds). The one numbering of the progress bar, plots, logs, dashboard and summaries."""
+        if t < self.seeding_rounds:
+            return "seeding", t + 1, self.seeding_rounds
+        return "training", t - self.seeding_rounds + 1, self.cfg.rounds
+
+    def label(self, t: int) -> str:
+        """`seeding 3 of 8` for a seeding round, `round 4 of 10` for a training round."""
+        phase, number, total = self.phase_round(t)
+        return f"{'seeding' if phase == 'seeding' else 'round'} {number} of {total}"
+
     def gossip_steps(self, t: int) -> int:
         """G_t, the exchanges of ratio consensus in round t; 0 means a one-hop merge (eq. 7/8)."""
         return 0
