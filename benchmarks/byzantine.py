@@ -51,7 +51,7 @@ SETTINGS: list[dict[str, Any]] = [
 ]
 ATTACKS: list[tuple[str, str]] = [
     ("none", "none"),
-    ("inflate", "inflate"),  # issue 17's seed-hijack and consensus-hijack together
+    ("inflate", "inflate"),  # the seed hijack and the consensus hijack together
     ("inflate", "none"), ("relay", "none"), ("duplicate", "none"),
     ("none", "inflate"), ("none", "zeros"), ("none", "flip"), ("none", "reverse"),
 ]

@@ -12,7 +12,7 @@ RabbitMQ, each on a fresh stack:
     python benchmarks/junk_flood.py [--broker URL] [--rabbitmqctl "rabbitmqctl"] [--rounds 8] [--flood-seconds 60]
 
 It makes the principals' users on the broker with `rabbitmqctl` (new passwords each time) and writes the
-table to docs/junk_flood.md with the commit and the machine's load. Goal (issue 17): a flood neither stops a
+table to docs/junk_flood.md with the commit and the machine's load. Goal: a flood neither stops a
 run nor more than doubles its round time.
 """
 

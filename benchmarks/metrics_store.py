@@ -2,7 +2,7 @@
 
 The metrics service stores every worker's round report (and worker events) in its SQL store. This times its own
 handler, `MetricsCollector`, on a fresh SQLite file: `on_event` for each report (a transaction and commit each, as
-before sitting K) against `on_events` for bursts of `--batch` reports (one transaction each, as the service now
+the service once did) against `on_events` for bursts of `--batch` reports (one transaction each, as the service now
 stores what is there at once), and the config check of each report as the collector does it now (the
 experiment's config parsed once) against reading and parsing it from the store for each report (before). Reports
 look like the runtime benchmark's: 3 workers of 8 clients, every round evaluated.

@@ -18,7 +18,7 @@ conflicting protobuf/typer/numpy versions):
   pfl       Apple pfl-research 0.6 SimulatedBackend, FederatedAveraging over all users every central iteration
   p2pfl     p2pfl 0.4.4 nodes in one process over its in-memory protocol, FedAvg, all nodes connected
   torch     a reference, not a peer: the same FedAvg as a plain torch loop over clients (the autograd step every
-            peer trains with, nothing else), so a sitting's figures say what the machine gave per-client work then
+            peer trains with, nothing else), so a run's figures say what the machine gave per-client work then
 
 Measured, per run: client updates per second (clients x rounds / the rounds' seconds summed); seconds per round,
 the mean over rounds 2..R (round 1's warm-up left out; with one round, round 1); the total wall time of the
@@ -344,7 +344,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, data_notes: l
         "seconds; wall: the whole process; RSS tree: the process and its descendants summed (sampled every "
         f"{SAMPLE_SECONDS} s); max proc: the largest single process's peak (VmHWM); x IFCA / x DFedAvgM / "
         "x torch loop: s/round over that run's (the torch loop: the per-client autograd loop with no framework, "
-        "this sitting's floor for a framework that trains one client at a time).", "",
+        "this run's floor for a framework that trains one client at a time).", "",
         "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
         *("| " + " | ".join(c.replace("|", "/") for c in cells(r)) + " |" for r in rows), "",
         *(f"- {line}" for line in notes(rows, data_notes)), "",

@@ -11,7 +11,7 @@
 
     python benchmarks/runtime_benchmark.py [--broker URL] [--rounds 12] [--messages 300]
 
-Goals (issue 3): runtime round <= 1.25x the simulator's; exchange >= 70% of raw pika.
+Goals: runtime round <= 1.25x the simulator's; exchange >= 70% of raw pika.
 """
 
 from __future__ import annotations

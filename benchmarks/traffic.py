@@ -8,7 +8,7 @@ with its data, model and training. Columns are schedules:
 
 - paper: the paper's rule (eq. 4-8), one float32 model to each neighbour a round;
 - seeded paper: the same after farthest-first seeding;
-- full: robust DFCA as it was the default before issue 16: seeding, 8 warm-up rounds of 10 gossip steps, then 3
+- full: robust DFCA as it was the default before `traffic: lean`: seeding, 8 warm-up rounds of 10 gossip steps, then 3
   steps every round, all k clusters, float32;
 - full int8: the same with 8-bit payloads (compression alone);
 - lean float32 / lean float16: the new schedule (seeding, 5 gossip steps every 5th round, one-hop merges between)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one pass on a CUDA machine (a development session's lent GPU, or yours), most
+# The checks that need a GPU, in one pass on a CUDA machine (a lent GPU, or yours), most
 # wanted first, so a pass cut short still returns them:
 #   1. the device-parametrised tests' cuda cases, benchmarks/torch_models.py on cuda (a torch module batched over
 #      clients against a per-client loop), and with a broker the runtime's end-to-end tests on both devices

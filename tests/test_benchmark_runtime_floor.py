@@ -75,7 +75,7 @@ def test_the_simulators_baseline_is_its_round_less_the_consensus_metrics_no_runt
 
 
 def test_the_cores_bound_is_the_runtimes_cpu_spread_over_the_cores_and_the_goals_cpu_budget() -> None:
-    # sitting M's first 24-client run: 0.273 CPU-s a round on 2 cores, the drivers alone 0.100, the simulator 0.029 s
+    # a measured 24-client run: 0.273 CPU-s a round on 2 cores, the drivers alone 0.100, the simulator 0.029 s
     bound = cores_bound(runtime_cpu=0.273, drivers_cpu=0.100, simulator_round=0.029, cores=2)
     assert bound.least_round == pytest.approx(0.1365)
     assert bound.least_ratio == pytest.approx(0.1365 / 0.029)

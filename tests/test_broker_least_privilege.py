@@ -3,7 +3,7 @@
 A private RabbitMQ node boots with the principals' users from `dfca.identity.broker_users.definitions` (as a
 Compose broker does); one of them is re-passworded with the `rabbitmqctl` commands of
 `python -m dfca.identity.broker_users create`. With one worker's own credentials a compromised worker
-tries what issue 17 measured with the shared credentials: the broker refuses a model key claiming another
+tries the attacks measured with the shared credentials (docs/security.md): the broker refuses a model key claiming another
 worker's client, a control command, an experiment's status, a forged `user_id`, and any use of another
 worker's queues; what the broker cannot tell apart (a worker's event about another worker, a model of a
 client the key's host does not host) the receivers reject. A whole run on per-principal users completes with
@@ -206,7 +206,7 @@ def test_a_run_on_per_principal_users_ignores_a_compromised_worker_and_survives_
         assert httpx.get(f"{stack.options.topology_url}/experiments").status_code == 401  # reads need a token
         # 60 rounds: the outage (after round 3) must fall inside the run on a fast machine too, where 8 rounds
         # (0.1-0.2 s each) ended before the broker went down (CI, 16bc1dd), and while this test's own process is
-        # starved by a loaded machine (30 rounds ended before its poll saw round 3, sitting I)
+        # starved by a loaded machine (30 rounds ended before its poll saw round 3)
         cfg = rotated_mnist(name="least-privilege", rounds=60)
         experiment = api.create_and_start(cfg)
         api.wait_round(experiment, 1)
@@ -255,7 +255,7 @@ def test_a_run_on_per_principal_users_ignores_a_compromised_worker_and_survives_
 def test_a_compromised_worker_hijacking_seeding_and_consensus_costs_the_honest_clients_at_most_3_points(
         principal_node: tuple[RabbitMQNode, dict[str, str]], tmp_path: Path) -> None:
     """Worker 1 of 3 runs with its own credentials and forges what its 8 clients send (DFCA_FORGE, harness.forgery):
-    issue 17's seed hijack (an all-zero model at an inflated score, in every seeding round) and consensus hijack (a
+    the seed hijack (an all-zero model at an inflated score, in every seeding round) and consensus hijack (a
     huge weight on the zero model, in every gossip step). With `dfca.screen` the 16 honest clients end within 3
     points of their accuracy in the honest run, with their clusters recovered; the forgeries are refused and
     dropped, and counted."""

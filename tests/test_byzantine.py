@@ -43,7 +43,7 @@ def test_a_seed_score_is_refused_when_no_honest_client_could_have_sent_it() -> N
 def test_a_model_that_ignores_its_input_cannot_seed_a_cluster() -> None:
     inputs = torch.randn(3, 5, 4)
     weights = torch.randn(3, 4, 2)
-    weights[1] = 0.0  # the all-zero model of issue 17's seed hijack
+    weights[1] = 0.0  # the all-zero model of the seed hijack
     logits = inputs @ weights
     logits[2, 0, 0] = math.nan
     assert responds_to_input(logits).tolist() == [True, False, False]
@@ -126,7 +126,7 @@ def honest() -> dict[str, float]:
 
 @pytest.mark.slow
 def test_issue_17s_hijacks_capture_plain_consensus_but_not_the_screen(honest: dict[str, float]) -> None:
-    """Host 1 of 3 sends issue 17's seed hijack (an all-zero model with an inflated score) and consensus hijack (a
+    """Host 1 of 3 sends the seed hijack (an all-zero model with an inflated score) and consensus hijack (a
     huge weight on the zero model). Seeding refuses the candidates either way; plain ratio consensus is captured;
     screened gossip keeps the honest clients within 3 points of the honest run and their clusters recovered."""
     attack = Attack("inflate", "inflate")

@@ -41,7 +41,7 @@ def test_robust_recovers_with_local_init_and_message_loss(overrides: dict[str, o
 
 
 def test_the_default_recovers_the_clusters_at_most_at_twice_the_paper_rules_bytes() -> None:
-    """Issue 16: on a sparse graph the default (robust, traffic lean: seeding, gossip every 5th round, 8-bit
+    """On a sparse graph the default (robust, traffic lean: seeding, gossip every 5th round, 8-bit
     payloads) recovers the clusters, and a client sends at most 2x what the paper rule sends over the run."""
     def run(variant: str) -> tuple[float, float]:
         cfg = sparse_config(variant)

@@ -1,12 +1,12 @@
-"""Forged messages: what a compromised worker can publish under its own clients' keys (issue 17's attacks).
+"""Forged messages: what a compromised worker can publish under its own clients' keys (the seed and consensus hijacks).
 
 A compromised worker holds its own broker credentials, so the broker delivers whatever it publishes under its
 own clients' keys: well-formed lies. `Forger` wraps the honest algorithm of such a worker and rewrites what its
 clients send in robust DFCA's two agreement steps (algorithms.dfca):
 
 Seeding (`seed`, core.seeding): the max-flood keeps the highest score, so a liar claims one.
-- `inflate` (issue 17's attack): the sender as origin with an all-zero model and a score of 1e300 (issue 17 sent
-  +inf, which the wire now refuses as non-finite: this is the largest lie it lets through);
+- `inflate` (the seed hijack): the sender as origin with an all-zero model and a score of 1e300 (+inf,
+  which the wire refuses as non-finite: this is the largest lie it lets through);
 - `relay`: slot 0's scores are seeded draws every receiver recomputes, so the liar claims the origin with the
   highest draw and its true draw, with a model of its own in place of that client's (a relay swapping the
   model behind an honest origin); in later slots (whose scores are losses on the origin's own data, which no

@@ -1,7 +1,7 @@
 """Screened gossip: one step of ratio consensus that a lying neighbour cannot steer far (`dfca.screen`).
 
 Ratio consensus (core.consensus) trusts every (num, den) pair it receives: a sender that claims a huge weight den,
-or an estimate num/den far from everyone else's, decides the result alone (issue 17 measured one forged pair per
+or an estimate num/den far from everyone else's, decides the result alone (one forged pair per
 step taking a 24-client run from accuracy 0.877 to 0.11). What an honest pair can be is known at the receiver:
 
 - den: the weights m_i (1 for the cluster a client trained, `untrained_weight` for the others) only ever mix, so an
