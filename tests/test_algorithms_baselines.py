@@ -74,7 +74,7 @@ def rotation_experts(algo: FedSPD, epochs: int) -> None:
     """Give every client the same k centres, centre j trained on the samples of distribution j.
 
     From a cold start, least-loss labelling of single samples tends to split the data by class rather than by
-    rotation (README.md, "Baselines"); this warm start tests that the soft clustering then tracks the mixtures.
+    rotation (docs/baselines.md); this warm start tests that the soft clustering then tracks the mixtures.
     """
     ctx, d = algo.ctx, algo.data()
     n = len(ctx.clients)

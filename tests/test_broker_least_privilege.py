@@ -3,8 +3,8 @@
 A private RabbitMQ node boots with the principals' users from `dfca.identity.broker_users.definitions` (as a
 Compose broker does); one of them is re-passworded with the `rabbitmqctl` commands of
 `python -m dfca.identity.broker_users create`. With one worker's own credentials a compromised worker
-tries the attacks measured with the shared credentials (docs/security.md): the broker refuses a model key claiming another
-worker's client, a control command, an experiment's status, a forged `user_id`, and any use of another
+tries the attacks measured with the shared credentials (docs/security.md): the broker refuses a model key
+claiming another worker's client, a control command, an experiment's status, a forged `user_id`, and any use of another
 worker's queues; what the broker cannot tell apart (a worker's event about another worker, a model of a
 client the key's host does not host) the receivers reject. A whole run on per-principal users completes with
 the honest result while the forger works and the broker restarts midway.
