@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,8 @@ def test_dfca_run_numbers_seeding_and_training_rounds_apart(tmp_path: Path) -> N
     bars = [line.split() for line in result.output.splitlines() if line.startswith(("seeding ", "rounds "))]
     assert [(bar[0], bar[2]) for bar in bars] == [("seeding", f"{seeding}/{seeding}"), ("rounds", "3/3")]
     assert f"{seeding + 3}/{seeding + 3}" not in result.output  # never the two phases as one count
+    assert re.search(r"│ rounds\s*│\s*3\s*│", result.output)  # the results table: training rounds ...
+    assert re.search(rf"seeding_rounds\s*│\s*{seeding}\s*│", result.output)  # ... and the seeding before them
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in lines] == list(range(1, seeding + 4))  # the absolute round, as before
     assert [(r["phase"], r["phase_round"], r["phase_rounds"]) for r in lines] == (

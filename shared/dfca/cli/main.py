@@ -92,6 +92,9 @@ def results_table(summary: dict[str, Any]) -> Table:
     if "communities_found" in summary:  # FedCRef clusters every client's samples: the paper's Sec. 5.3 metrics
         keys = ("initial_acc", "final_acc", "communities_found", "true_categories", "wrong_associations",
                 "isolated_clusters", "iterations", "seconds_per_round", "wall_seconds")
+    if summary.get("seeding_rounds") and "rounds" in keys:  # training rounds, then the seeding rounds before them
+        at = keys.index("rounds") + 1
+        keys = (*keys[:at], "seeding_rounds", *keys[at:])
     for key in keys:
         value = summary[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
