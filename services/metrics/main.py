@@ -22,6 +22,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from dfca.algorithms import schedule_of
 from dfca.config import ExperimentConfig
 from dfca.identity import topics
 from dfca.identity.broker_setup import bind_to_deployment, ensure_broker_topology
@@ -256,7 +257,8 @@ def sse(event: str, data: dict[str, Any]) -> str:
 
 
 async def progress_stream(store: MetricsStore, experiment: str) -> AsyncIterator[str]:
-    """`progress` after every new round report, `status` on every status change; ends when the run does."""
+    """`progress` after every new round report (its absolute `round` and, as people count it, `phase`, `phase_round`
+    and `phase_rounds`), `status` on every status change; ends when the run does."""
     last_id, last_status, idle = 0, "", 0.0
     while True:
         stored = await asyncio.to_thread(store.experiment, experiment)
@@ -266,7 +268,8 @@ async def progress_stream(store: MetricsStore, experiment: str) -> AsyncIterator
         if reports:
             last_id = await asyncio.to_thread(store.last_report_id, experiment)
             latest = reports[-1]
-            yield sse("progress", {"round": latest.round, "worker": latest.worker, "complete": latest.complete,
+            yield sse("progress", {"round": latest.round, **schedule_of(stored.config).phase_fields(latest.round - 1),
+                                   "worker": latest.worker, "complete": latest.complete,
                                    "seconds": latest.seconds, "status": stored.status})
             idle = 0.0
         if stored.status != last_status:

@@ -57,6 +57,12 @@ class RoundSchedule:
             return "seeding", t + 1, self.seeding_rounds
         return "training", t - self.seeding_rounds + 1, self.cfg.rounds
 
+    def phase_fields(self, t: int) -> dict[str, str | int]:
+        """Round t's `phase`, `phase_round` and `phase_rounds`, as metrics rows and round views carry them beside
+        the absolute 1-based `round`."""
+        phase, number, total = self.phase_round(t)
+        return {"phase": phase, "phase_round": number, "phase_rounds": total}
+
     def label(self, t: int) -> str:
         """`seeding 3 of 8` for a seeding round, `round 4 of 10` for a training round."""
         phase, number, total = self.phase_round(t)

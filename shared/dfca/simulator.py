@@ -280,7 +280,7 @@ def simulate(
         if (t + 1) % cfg.eval_every == 0 or t + 1 == schedule.total_rounds or finished:
             record = round_record(sim, t, sample)
             record["seconds"] = time.perf_counter() - t0
-            record["phase"] = schedule.phase(t)
+            record.update(schedule.phase_fields(t))  # phase, phase_round (1-based in its phase), phase_rounds
             record["warnings"] = watch.observe(record) if sim.algorithm.clusters_clients else []
             history.append(record)
             if on_round is not None:

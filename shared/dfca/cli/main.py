@@ -9,13 +9,14 @@ from typing import Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from dfca.algorithms import schedule_of
 from dfca.config import ConfigError, ExperimentConfig, load_config
 from dfca.devices import DeviceUnavailable, resolve_device
 from dfca.results.run_folder import OutFolderRefused, prepare_out, written_files
+from dfca.schedule import RoundSchedule
 
 app = typer.Typer(add_completion=False, help="Decentralized clustered federated learning (DFCA and baselines).")
 console = Console(stderr=True)
@@ -91,6 +92,9 @@ def results_table(summary: dict[str, Any]) -> Table:
     if "communities_found" in summary:  # FedCRef clusters every client's samples: the paper's Sec. 5.3 metrics
         keys = ("initial_acc", "final_acc", "communities_found", "true_categories", "wrong_associations",
                 "isolated_clusters", "iterations", "seconds_per_round", "wall_seconds")
+    if summary.get("seeding_rounds") and "rounds" in keys:  # training rounds, then the seeding rounds before them
+        at = keys.index("rounds") + 1
+        keys = (*keys[:at], "seeding_rounds", *keys[at:])
     for key in keys:
         value = summary[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
@@ -123,15 +127,19 @@ def run(
     log = MetricsLog(out / "metrics.jsonl")
     console.print(f"[bold]{cfg.name}[/]: {cfg.algorithm}, {cfg.data.clients} clients, k={cfg.clusters}, "
                   f"{cfg.rounds} rounds{seeding_note(cfg)}{stop_note(cfg)}, {cfg.topology.kind} graph -> {out}")
+    schedule = schedule_of(cfg)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console) as progress:
-        task = progress.add_task("rounds", total=schedule_of(cfg).total_rounds, status="")
+        bars = phase_bars(progress, schedule)
 
         def on_round(record: dict[str, Any]) -> None:
             log.write(record)
             for warning in record.get("warnings", []):
                 progress.console.print(f"[yellow]warning:[/] {warning}")
-            progress.update(task, completed=record["round"],
+            phase = record.get("phase", "training")
+            if phase == "training" and "seeding" in bars:  # the seeding phase is over, evaluated last or not
+                progress.update(bars["seeding"], completed=schedule.seeding_rounds)
+            progress.update(bars[phase], completed=record.get("phase_round", record["round"]),
                             status=round_status(record))
 
         try:
@@ -141,11 +149,13 @@ def run(
             raise typer.Exit(1) from err
         finally:
             log.close()
-        ran = int(result.history[-1]["round"]) if result.history else 0
-        progress.update(task, total=ran, completed=ran)  # a run that stopped itself early ends a full bar
+        last = result.history[-1] if result.history else {}
+        if last.get("phase") == "training":  # a run that stopped itself early ends a full bar
+            ran = int(last.get("phase_round", 0))
+            progress.update(bars["training"], total=ran, completed=ran)
     write_summary(out, result.summary, cfg)
     save_models(out, result.final_models, result.assigned.tolist())
-    plot_history(out, result.history, cfg.name, schedule_of(cfg).seeding_rounds)
+    plot_history(out, result.history, cfg.name, schedule.seeding_rounds)
     Console().print(results_table(result.summary))
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
@@ -251,6 +261,16 @@ def round_status(record: dict[str, Any]) -> str:
     if "inferred_clusters" in record:
         return f"K {record['inferred_clusters']:.0f} acc {record['test_accuracy']:.3f} F1 {record['macro_f1']:.3f}"
     return f"acc {record['test_accuracy']:.3f} ARI {record['ari']:.2f}"
+
+
+def phase_bars(progress: Progress, schedule: RoundSchedule) -> dict[str, TaskID]:
+    """The run's progress bars by phase, counted as people count rounds (`RoundSchedule.phase_round`): `seeding`
+    S/S for robust DFCA's seeding rounds, then `rounds` R/R for the training rounds."""
+    bars = {}
+    if schedule.seeding_rounds:
+        bars["seeding"] = progress.add_task("seeding", total=schedule.seeding_rounds, status="")
+    bars["training"] = progress.add_task("rounds", total=schedule.cfg.rounds, status="")
+    return bars
 
 
 def stop_note(cfg: ExperimentConfig) -> str:

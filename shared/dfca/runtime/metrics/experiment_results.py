@@ -38,14 +38,15 @@ def model_files(store: MetricsStore, experiment: str) -> dict[str, bytes]:
 
 
 def plot_files(store: MetricsStore, experiment: str) -> dict[str, bytes]:
-    """The plots `dfca run` draws, from the experiment's metrics history."""
+    """The plots `dfca run` draws (accuracy.png, ari.png, clusters.png, traffic.png, ...: `plot_history`), from the
+    experiment's metrics history."""
     from dfca.results.outputs import plot_history  # matplotlib: only when plots are asked for
 
     stored = store.experiment(experiment)
     if stored is None:
         raise NoResults(f"no experiment {experiment!r}")
-    records = [h for h in history(stored, store.reports(experiment)) if "test_accuracy" in h or "gcd" in h]
-    if not records:
+    records = history(stored, store.reports(experiment))  # every round: traffic.png draws the unevaluated ones too
+    if not any("test_accuracy" in h or "gcd" in h for h in records):
         raise NoResults(f"experiment {experiment!r} has no evaluated rounds yet")
     with tempfile.TemporaryDirectory() as folder:
         paths = plot_history(Path(folder), records, stored.config.name, schedule_of(stored.config).seeding_rounds)

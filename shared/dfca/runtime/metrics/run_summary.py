@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dfca.algorithms import CLIENTS
+from dfca.algorithms import CLIENTS, schedule_of
 from dfca.config import ExperimentConfig
 from dfca.core.soft_assignment import mixture_error
 from dfca.data import FederatedData, build_federated_data
@@ -116,14 +116,18 @@ def per_cluster_accuracy(acc: torch.Tensor, assigned: torch.Tensor, k: int) -> l
 
 
 def history(experiment: StoredExperiment, reports: list[StoredReport]) -> list[dict[str, Any]]:
-    """One record per round, like the simulator's metrics.jsonl (clustering fields on evaluated rounds)."""
+    """One record per round, like the simulator's metrics.jsonl (clustering fields on evaluated rounds); `round` is
+    absolute (1-based, seeding rounds first), `phase`, `phase_round` and `phase_rounds` count it as people do
+    (`RoundSchedule.phase_round`: seeding 1..S, then training 1..R)."""
     k = experiment.config.clusters
+    schedule = schedule_of(experiment.config)
     failed = set(experiment.failed_clients)
     records = []
     for round_, by_worker in latest_by_round(reports).items():
         chosen = list(by_worker.values())
         record: dict[str, Any] = {
             "round": round_,
+            **schedule.phase_fields(round_ - 1),
             "workers_reported": len(chosen),
             "complete": all(r.complete for r in chosen),
             "seconds": max(r.seconds for r in chosen),
@@ -207,6 +211,7 @@ def summarize(
             "name": cfg.name,
             "algorithm": cfg.algorithm,
             "rounds": cfg.rounds,
+            "seeding_rounds": schedule_of(cfg).seeding_rounds,
             "clients": 0,
             "test_accuracy": None,
             "cluster_ari": None,
@@ -218,6 +223,7 @@ def summarize(
     summary.update(mixture_fields(final))
     summary.update(algorithm_metrics(cfg, final))
     summary.update(last_rounds_means([r for r in rounds if "test_accuracy" in r]))
+    summary.update(latest_phase(cfg, rounds))
     incarnations: dict[int, set[str]] = defaultdict(set)
     for event in worker_events:
         incarnations[event["worker"]].add(event["incarnation"])
@@ -235,6 +241,15 @@ def summarize(
         }
     )
     return summary
+
+
+def latest_phase(cfg: ExperimentConfig, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the run stands, as people count rounds: the latest round's `phase`, `phase_round` and `phase_rounds`
+    (before any round: the first seeding round's phase, or training, at 0)."""
+    if rounds:
+        last = rounds[-1]
+        return {key: last[key] for key in ("phase", "phase_round", "phase_rounds")}
+    return {**schedule_of(cfg).phase_fields(0), "phase_round": 0}
 
 
 def summary_of(store: MetricsStore, experiment: str) -> dict[str, Any]:
