@@ -1,9 +1,11 @@
-"""The dashboard at /ui in a real headless Chromium (Selenium), against a real local stack: the page loads with no
-console errors, a bad config shows its field and creates nothing, a config pasted as YAML is created and started,
-the accuracy curve gains points while the test watches, the graph has one node per client, the workers and message
-counters show, and Stop stops the run.
+"""The dashboard at /ui in a real headless Chromium (Selenium), against a real local stack (one for the module): the
+page loads with no console errors, a bad config shows its field and creates nothing, a config pasted as YAML is
+created and started, the accuracy curve gains points while the test watches, the graph has one node per client, the
+workers and message counters show, and Stop stops the run. A finished run reads at a glance: at ARI 1 every node of
+the graph is filled in its ring's colour (assigned clusters matched to true ones), the legend, the summary, the
+config and the round show, the curves have axes and hover values, and the final models' links answer.
 
-DFCA_DASHBOARD_SCREENSHOT=docs/dashboard.png also saves a screenshot of the experiment page while it runs.
+DFCA_DASHBOARD_SCREENSHOT=docs/dashboard.png also saves a screenshot of the finished run's page.
 """
 
 from __future__ import annotations
@@ -22,8 +24,16 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
+from dfca.cli.launcher import Stack
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+
+@pytest.fixture(scope="module")
+def stack(rabbitmq_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("dashboard") / "state", rabbitmq_url) as running:
+        yield running
 
 
 @pytest.fixture()
@@ -67,59 +77,130 @@ def console_errors(driver: webdriver.Chrome) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
 
+def sign_in(driver: webdriver.Chrome, stack: Stack) -> None:
+    driver.get(f"{stack.options.metrics_url}/ui")
+    until("the experiments table", lambda: by_testid(driver, "experiments"))
+    token = by_testid(driver, "token")
+    token.send_keys(TOKEN)
+    token.send_keys("\t")  # `change` stores it for the session
+
+
+GRAPH_NODES = "return (window.dfcaGraphOption || {series: [{data: []}]}).series[0].data"
+
+
 @pytest.mark.rabbitmq
-def test_the_dashboard_follows_a_run_and_stops_it(rabbitmq_url: str, tmp_path: Path,
-                                                   browser: webdriver.Chrome) -> None:
-    with running_stack(tmp_path / "state", rabbitmq_url) as stack:
-        browser.get(f"{stack.options.metrics_url}/ui")
-        until("the experiments table", lambda: by_testid(browser, "experiments"))
-        token = by_testid(browser, "token")
-        token.send_keys(TOKEN)
-        token.send_keys("\t")  # `change` stores it for the session
+def test_the_dashboard_follows_a_run_and_stops_it(stack: Stack, browser: webdriver.Chrome) -> None:
+    sign_in(browser, stack)
 
-        area = by_testid(browser, "yaml")  # a bad config: the field is named, nothing is created
-        browser.execute_script("arguments[0].value = arguments[1]", area, "name: x\ntrain: {lr: -1}\n")
-        by_testid(browser, "create").click()
-        message = until("an error", lambda: "train.lr" in by_testid(browser, "create-result").text and
-                        by_testid(browser, "create-result").text)
-        assert "422" in message
-        assert Api.of(stack).topology.get("/experiments").json() == []
-        refused = console_errors(browser)  # reading the log empties it: the refused request is the only entry
-        assert all("status of 422" in e for e in refused), refused
+    area = by_testid(browser, "yaml")  # a bad config: the field is named, nothing is created
+    browser.execute_script("arguments[0].value = arguments[1]", area, "name: x\ntrain: {lr: -1}\n")
+    by_testid(browser, "create").click()
+    message = until("an error", lambda: "train.lr" in by_testid(browser, "create-result").text and
+                    by_testid(browser, "create-result").text)
+    assert "422" in message
+    assert [e for e in Api.of(stack).topology.get("/experiments").json() if e["name"] == "x"] == []
+    refused = console_errors(browser)  # reading the log empties it: the refused request is the only entry
+    assert all("status of 422" in e for e in refused), refused
 
-        # long enough to be running still when the test stops it (40 rounds ended within 9 s once workers got faster)
-        cfg = rotated_mnist(name="ui", rounds=1000, dfca={"variant": "paper"}, runtime={"round_timeout": 10.0})
-        browser.execute_script("arguments[0].value = arguments[1]", area, yaml.safe_dump(cfg))
-        by_testid(browser, "create-start").click()
-        until("the experiment page", lambda: "#/e/ui-" in browser.current_url)
-        experiment = browser.current_url.rsplit("/", 1)[-1]
-        until("status running", lambda: by_testid(browser, "status").text == "running")
+    # long enough to be running still when the test stops it (40 rounds ended within 9 s once workers got faster)
+    cfg = rotated_mnist(name="ui", rounds=1000, dfca={"variant": "paper"}, runtime={"round_timeout": 10.0})
+    browser.execute_script("arguments[0].value = arguments[1]", area, yaml.safe_dump(cfg))
+    by_testid(browser, "create-start").click()
+    until("the experiment page", lambda: "#/e/ui-" in browser.current_url)
+    experiment = browser.current_url.rsplit("/", 1)[-1]
+    until("status running", lambda: by_testid(browser, "status").text == "running")
 
-        graph_nodes = until("the graph", lambda: browser.find_elements(By.CSS_SELECTOR, '[data-testid="graph-node"]'))
-        assert len(graph_nodes) == 24  # one node per client
+    graph_nodes = until("the graph", lambda: browser.execute_script(GRAPH_NODES))
+    assert len(graph_nodes) == 24  # one node per client
 
-        def points() -> int:
-            return int(by_testid(browser, "curve-accuracy").get_attribute("data-points") or 0)
+    def points() -> int:
+        return int(by_testid(browser, "curve-accuracy").get_attribute("data-points") or 0)
 
-        first = until("a first point on the accuracy curve", lambda: points() >= 2 and points(), timeout=90)
-        until("more points while we watch", lambda: points() >= first + 3, timeout=90)
-        fills = browser.execute_script(  # read at once: the graph is redrawn as rounds come in
-            "return [...document.querySelectorAll('[data-testid=\"graph-node\"]')].map(n => n.getAttribute('fill'))")
-        assert len(fills) == 24 and "#e5e7eb" not in fills  # every client drawn in its assigned cluster's colour
-        assert len(browser.find_elements(By.CSS_SELECTOR, '[data-testid^="worker-"]')) == 3
-        until("each worker's device", lambda: browser.execute_script(  # read at once: the table is redrawn
-            "return [...document.querySelectorAll('[data-testid^=\"worker-\"]')].map(r => r.cells[2].textContent)"
-        ) == ["cpu"] * 3)  # where it placed its clients: the stack's workers compute on the CPU
-        until("message counters", lambda: by_testid(browser, "messages-applied").text)
-        if screenshot := os.environ.get("DFCA_DASHBOARD_SCREENSHOT"):
-            browser.save_screenshot(screenshot)
+    first = until("a first point on the accuracy curve", lambda: points() >= 2 and points(), timeout=90)
+    until("more points while we watch", lambda: points() >= first + 3, timeout=90)
+    fills = until("every client evaluated", lambda: [n["itemStyle"]["color"]  # read at once: the graph is redrawn
+                                                     for n in browser.execute_script(GRAPH_NODES)
+                                                     if n["dfca"] is not None])
+    assert len(fills) == 24 and "#e5e7eb" not in fills  # every client drawn in its assigned cluster's colour
+    assert len(browser.find_elements(By.CSS_SELECTOR, '[data-testid^="worker-"]')) == 3
+    until("each worker's device", lambda: browser.execute_script(  # read at once: the table is redrawn
+        "return [...document.querySelectorAll('[data-testid^=\"worker-\"]')].map(r => r.cells[2].textContent)"
+    ) == ["cpu"] * 3)  # where it placed its clients: the stack's workers compute on the CPU
+    until("message counters", lambda: by_testid(browser, "messages-applied").text)
 
-        by_testid(browser, "stop").click()
-        until("status stopped", lambda: by_testid(browser, "status").text == "stopped", timeout=60)
-        assert Api.of(stack).experiment(experiment)["status"] == "stopped"
-        assert console_errors(browser) == []
+    by_testid(browser, "stop").click()
+    until("status stopped", lambda: by_testid(browser, "status").text == "stopped", timeout=60)
+    assert Api.of(stack).experiment(experiment)["status"] == "stopped"
+    assert console_errors(browser) == []
 
-        browser.get(f"{stack.options.metrics_url}/ui#/")  # the list shows it, with its scores
-        row = until("the experiment in the list", lambda: by_testid(browser, f"row-{experiment}"))
-        assert "stopped" in row.text and "dfca" in row.text
-        assert console_errors(browser) == []
+    browser.get(f"{stack.options.metrics_url}/ui#/")  # the list shows it, with its scores
+    row = until("the experiment in the list", lambda: by_testid(browser, f"row-{experiment}"))
+    assert "stopped" in row.text and "dfca" in row.text
+    assert console_errors(browser) == []
+
+
+CHART_OPTION = ("return echarts.getInstanceByDom(document.querySelector(`[data-testid=\"${arguments[0]}\"]`))"
+                ".getOption()")
+
+
+@pytest.mark.rabbitmq
+def test_a_finished_run_reads_at_a_glance(stack: Stack, browser: webdriver.Chrome) -> None:
+    api = Api.of(stack)
+    experiment = api.create_and_start(rotated_mnist(name="glance"))
+    api.wait_finished(experiment, timeout=300)
+    summary = api.summary(experiment)
+    assert summary["status"] == "completed" and summary["cluster_ari"] == 1.0, summary
+    evaluated = api.metrics.get(f"/experiments/{experiment}/clients").json()
+    # the run numbers its clusters otherwise than the truth: a fill equals its ring only through the matching
+    assert evaluated["assigned"] != evaluated["true_cluster"], "this seed no longer tests the matching: pick another"
+
+    sign_in(browser, stack)
+    browser.get(f"{stack.options.metrics_url}/ui#/e/{experiment}")
+    until("status completed", lambda: by_testid(browser, "status").text == "completed")
+    nodes = until("every client in the graph", lambda: (lambda ns: len(ns) == 24 and all(n["dfca"] for n in ns)
+                                                         and ns)(browser.execute_script(GRAPH_NODES)))
+    fills = [n["itemStyle"]["color"] for n in nodes]
+    rings = [n["itemStyle"]["borderColor"] for n in nodes]
+    assert fills == rings  # ARI 1: every client drawn in its true cluster's colour, filled and ringed
+    assert len(set(rings)) == 2  # the two true clusters, two colours
+
+    legend = by_testid(browser, "graph-legend").text
+    assert "fill = assigned cluster" in legend and "ring = true cluster" in legend
+    assert "cluster 0" in legend and "cluster 1" in legend
+    assert by_testid(browser, "legend-misclustered").text == "every client in its true cluster"
+
+    assert by_testid(browser, "round").text == "round 10 of 10"
+    assert by_testid(browser, "summary-ari").text.startswith("1.00")
+    assert by_testid(browser, "summary-accuracy").text.startswith(f"{summary['test_accuracy']:.3f}")
+    assert by_testid(browser, "summary-clustered-right").text.startswith("24 of 24")
+    config = by_testid(browser, "config").text
+    assert "name: glance" in config and "clusters: 2" in config and "rotations: [0, 180]" in config
+
+    for testid in ("curve-accuracy", "curve-ari", "curve-loss", "curve-clusters"):
+        option = browser.execute_script(CHART_OPTION, testid)
+        assert option["xAxis"][0]["name"] == "round" and option["yAxis"][0]["axisLabel"]["fontSize"], testid
+        assert option["tooltip"][0]["trigger"] == "axis", testid  # hover values
+        assert len(option["series"][0]["data"]) == int(by_testid(browser, testid).get_attribute("data-points")) > 0
+    ari = browser.execute_script(CHART_OPTION, "curve-ari")
+    assert ari["series"][0]["data"][-1][1] == 1.0 and ari["series"][0]["data"][-1][2] == "round 10 of 10"
+
+    model = until("the final model's link", lambda: browser.find_element(
+        By.CSS_SELECTOR, '[data-testid^="download-models-"][data-testid$=".safetensors"]'))
+    assert by_testid(browser, "download-models-assignments.json")
+    until("the plots' links", lambda: browser.find_elements(By.CSS_SELECTOR, '[data-testid^="download-plots-"]'))
+    answered = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "fetch(arguments[0]).then(r => r.arrayBuffer().then(b => done([r.status, b.byteLength])))",
+        model.get_attribute("href"))
+    assert answered[0] == 200 and answered[1] > 1000
+    assert console_errors(browser) == []
+
+    if screenshot := os.environ.get("DFCA_DASHBOARD_SCREENSHOT"):
+        height = browser.execute_script("return document.documentElement.scrollHeight")
+        browser.set_window_size(1300, height + 140)
+        time.sleep(1.5)  # the charts redraw at the new size
+        browser.save_screenshot(screenshot)
+        from PIL import Image  # matplotlib's dependency: a palette of 256 colours keeps the PNG small
+
+        Image.open(screenshot).convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT).save(screenshot,
+                                                                                                  optimize=True)

@@ -8,7 +8,13 @@ import pytest
 from scipy.optimize import linear_sum_assignment
 from sklearn.metrics import adjusted_rand_score
 
-from dfca.core.label_matching import adjusted_rand_index, contingency, matched_agreement, min_cost_matching
+from dfca.core.label_matching import (
+    adjusted_rand_index,
+    contingency,
+    label_matching,
+    matched_agreement,
+    min_cost_matching,
+)
 
 
 def random_costs(rng: np.random.Generator, trials: int) -> list[np.ndarray]:
@@ -76,3 +82,14 @@ def test_the_matched_agreement_counts_items_under_the_best_relabelling() -> None
     assert matched_agreement(np.array([], dtype=int), np.array([], dtype=int)) == 1.0
     with pytest.raises(ValueError, match="differ in length"):
         contingency([0, 1], [0])
+
+
+def test_the_label_matching_is_one_to_one_and_scores_the_matched_agreement() -> None:
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        a, b = rng.integers(0, rng.integers(1, 6), size=40) * 3, rng.integers(0, rng.integers(1, 6), size=40)
+        mapping = label_matching(a, b)
+        assert len(mapping) == min(len(set(a)), len(set(b))) and len(set(mapping.values())) == len(mapping)
+        assert set(mapping) <= set(a.tolist()) and set(mapping.values()) <= set(b.tolist())
+        agree = sum(int(x in mapping and mapping[x] == y) for x, y in zip(a.tolist(), b.tolist(), strict=True))
+        assert agree / len(a) == pytest.approx(matched_agreement(a, b))

@@ -88,6 +88,18 @@ def matched_agreement(a: ArrayLike, b: ArrayLike) -> float:
     return float(counts[rows, cols].sum() / counts.sum())
 
 
+def label_matching(a: ArrayLike, b: ArrayLike) -> dict[int, int]:
+    """a's class -> the b class it is matched to under the best one-to-one relabelling (the one `matched_agreement`
+    scores); a's classes left over when a has more classes than b are not in it."""
+    a, b = np.asarray(a).ravel(), np.asarray(b).ravel()
+    counts = contingency(a, b)
+    if counts.size == 0:
+        return {}
+    rows, cols = min_cost_matching(-counts)
+    a_classes, b_classes = np.unique(a), np.unique(b)
+    return {int(a_classes[r]): int(b_classes[c]) for r, c in zip(rows, cols, strict=True)}
+
+
 def adjusted_rand_index(truth: ArrayLike, predicted: ArrayLike) -> float:
     """The adjusted Rand index (Hubert and Arabie 1985) from the pair confusion matrix, in exact integers, as
     sklearn.metrics.adjusted_rand_score computes it: 1.0 where the two agree on every pair (one class each

@@ -1,7 +1,10 @@
-"""The web dashboard at `/ui`, served by the metrics service: experiments, live curves, the communication graph,
-workers and message counters, and create/start/stop.
+"""The web dashboard at `/ui`, served by the metrics service: experiments, live curves, the communication graph with
+its legend, a run's summary, config and download links, workers and message counters, and create/start/stop.
 
-The page is static (HTML, JS and CSS in `dashboard_static/`, no CDN, no build step). It reads the metrics service's
+The page is static (HTML, JS and CSS in `dashboard_static/`, no CDN, no build step); its curves and graph are drawn
+with Apache ECharts, vendored there (`echarts.min.js`, its licence and version in `VENDORED.md`). The graph colours a
+node's fill by its assigned cluster matched to a true one (`clients_view`) and its ring by its true cluster, so a
+right clustering reads as fill = ring whatever numbers the run gave its clusters. It reads the metrics service's
 own routes and reaches the topology service through same-origin proxy routes under `/ui/api/topology/`, which pass
 the user's `Authorization` header on, so the browser needs no CORS. A config is created from pasted YAML: the proxy
 parses it and validates it with the one config schema, so the page shows the same field errors as `dfca validate`.
@@ -18,13 +21,16 @@ import yaml
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from dfca.algorithms import schedule_of
 from dfca.config import ConfigError, parse_config
+from dfca.core.label_matching import label_matching
 from dfca.results.evaluation import cluster_ari
 from dfca.runtime.metrics.metrics_store import MetricsStore
 from dfca.runtime.metrics.run_summary import final_evaluation, history, summary_of
 
 STATIC = files("dfca.runtime.metrics") / "dashboard_static"
-MEDIA = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
+MEDIA = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".txt": "text/plain",
+         ".md": "text/markdown"}
 PROXY_TIMEOUT_S = 30.0
 MAX_YAML_BYTES = 1_000_000
 
@@ -42,22 +48,29 @@ def add_dashboard(app: FastAPI, store: MetricsStore, topology_url: str | None) -
         resource = STATIC / name
         if "/" in name or suffix not in MEDIA or not resource.is_file():
             raise HTTPException(404, f"no static file {name!r}")
-        return Response(resource.read_bytes(), media_type=MEDIA[suffix])
+        cache = {"Cache-Control": "public, max-age=86400"} if name.startswith("echarts") else {}  # 1 MB, versioned
+        return Response(resource.read_bytes(), media_type=MEDIA[suffix], headers=cache)
 
     @app.get("/ui/api/overview/{experiment}")
     def overview(experiment: str) -> dict[str, Any]:
         """What the experiment page draws, in one call that answers 200 even before the metrics service has heard
-        of the experiment (a 404 would be an error in the browser's console): the summary, the evaluated rounds,
-        and every client's latest assigned and true cluster for the graph."""
+        of the experiment (a 404 would be an error in the browser's console): the summary, the run's config, the
+        evaluated rounds (each with its `label`, "seeding 3 of 8" or "round 4 of 10"), the schedule's seeding and
+        training rounds, and every client's latest assigned and true cluster for the graph, its assigned cluster
+        matched to a true one (`clients_view`)."""
         stored = store.experiment(experiment)
         if stored is None:
-            return {"id": experiment, "known": False, "summary": None, "history": [], "clients": {}}
+            return {"id": experiment, "known": False, "summary": None, "config": None, "schedule": None,
+                    "history": [], "clients": clients_view({})}
         reports = store.reports(experiment)
-        final = final_evaluation(reports, set())
-        return {"id": experiment, "known": True, "summary": summary_of(store, experiment),
-                "history": [h for h in history(stored, reports) if "test_accuracy" in h],
-                "clients": {"clients": final.get("clients", []), "assigned": final.get("assigned", []),
-                            "true_cluster": final.get("true_cluster", [])}}
+        schedule = schedule_of(stored.config)
+        rows = [h for h in history(stored, reports) if "test_accuracy" in h]
+        for row in rows:
+            row.setdefault("label", schedule.label(row["round"] - 1))  # rounds are 1-based, t 0-based
+        return {"id": experiment, "known": True, "status": stored.status, "summary": summary_of(store, experiment),
+                "config": stored.config.model_dump(mode="json"), "history": rows,
+                "schedule": {"seeding_rounds": schedule.seeding_rounds, "rounds": stored.config.rounds},
+                "clients": clients_view(final_evaluation(reports, set()))}
 
     @app.get("/ui/api/scores")
     def scores() -> dict[str, dict[str, Any]]:
@@ -86,6 +99,27 @@ def add_dashboard(app: FastAPI, store: MetricsStore, topology_url: str | None) -
             raise HTTPException(502, f"the topology service at {topology_url} is not reachable: {err}") from err
         return Response(response.content, status_code=response.status_code,
                         media_type=response.headers.get("content-type", "application/json"))
+
+
+def clients_view(final: dict[str, list[Any]]) -> dict[str, Any]:
+    """Clients, assigned and true clusters for the graph, and `matched_assigned`: each client's assigned cluster
+    as the true cluster it is matched to (`matching`, assigned -> true: the Hungarian matching that the matched
+    cluster accuracy scores), so a node's fill and ring share a colour exactly when the client is clustered right
+    (every node at ARI 1). An assigned cluster left over (more populated than true clusters) gets a number after
+    the true ones, its own colour. Without true labels `has_truth` is false and `matched_assigned` is the
+    assigned cluster."""
+    clients, assigned = list(final.get("clients", [])), [int(a) for a in final.get("assigned", [])]
+    truth = [int(t) for t in final.get("true_cluster", [])]
+    has_truth = bool(clients) and len(truth) == len(assigned) and all(t >= 0 for t in truth)
+    matching: dict[int, int] = {}
+    if has_truth:
+        matching = label_matching(assigned, truth)
+        spare = max(truth) + 1
+        for cluster in sorted(set(assigned) - set(matching)):
+            matching[cluster], spare = spare, spare + 1
+    return {"clients": clients, "assigned": assigned, "true_cluster": truth if has_truth else [],
+            "has_truth": has_truth, "matching": {str(a): t for a, t in sorted(matching.items())},
+            "matched_assigned": [matching[a] for a in assigned] if has_truth else assigned}
 
 
 def yaml_to_json(body: bytes) -> bytes:
