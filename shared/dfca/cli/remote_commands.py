@@ -16,15 +16,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from dfca.cli.runtime_client import TERMINAL, ApiError, Endpoints, RuntimeClient, WaitTimedOut
-from dfca.results.run_folder import OutFolderRefused, prepare_out, written_files
 from dfca.schedule import RoundSchedule
+
+if TYPE_CHECKING:  # httpx, under the client, takes a while to import: `dfca --help` does without it
+    from dfca.cli.runtime_client import RuntimeClient
 
 console = Console(stderr=True)
 TOPOLOGY = typer.Option(None, "--topology", help="topology service URL [env DFCA_TOPOLOGY_URL; else the running "
@@ -37,22 +38,27 @@ JSON = typer.Option(False, "--json", help="print the records as JSON instead of 
 
 
 def client_for(topology: str | None, metrics: str | None, token: str | None) -> RuntimeClient:
+    from dfca.cli.runtime_client import Endpoints, RuntimeClient
+
     return RuntimeClient(Endpoints.resolve(topology, metrics, token))
 
 
 def failing(action: Callable[[], int | None]) -> None:
     """Run a command's body; an API or config error is one red line and exit code 1 (2 for a bad config)."""
+    from dfca.cli.runtime_client import ApiError
+    from dfca.results.run_folder import OutFolderRefused
+
     try:
         code = action()
+    except (ApiError, OutFolderRefused) as err:
+        console.print(f"[bold red]error:[/] {err}")
+        raise typer.Exit(1) from err
     except ValueError as err:
         config = sys.modules.get("dfca.config")  # loaded by whatever read a config, so never imported here
         if config is None or not isinstance(err, config.ConfigError):
             raise
         console.print(f"[bold red]invalid config:[/] {err}")
         raise typer.Exit(2) from err
-    except (ApiError, OutFolderRefused) as err:
-        console.print(f"[bold red]error:[/] {err}")
-        raise typer.Exit(1) from err
     if code:
         raise typer.Exit(code)
 
@@ -133,6 +139,8 @@ def register(app: typer.Typer) -> None:
         """Stop an experiment; wait until it has stopped (exit 1 if it has not within --wait seconds)."""
 
         def body() -> int | None:
+            from dfca.cli.runtime_client import TERMINAL
+
             client = client_for(topology, metrics, token)
             state = client.stop(experiment)["status"]
             deadline = time.monotonic() + wait
@@ -158,6 +166,8 @@ def register(app: typer.Typer) -> None:
         its events until it ends."""
 
         def body() -> int | None:
+            from dfca.cli.runtime_client import TERMINAL
+
             client = client_for(topology, metrics, token)
             record = client.experiment(experiment)
             schedule = record_schedule(record)
@@ -182,6 +192,8 @@ def register(app: typer.Typer) -> None:
         """Download an experiment's summary, metrics, config, final models and plots, as `dfca run` writes them."""
 
         def body() -> None:
+            from dfca.results.run_folder import prepare_out
+
             client = client_for(topology, metrics, token)
             record = client.experiment(experiment)
             write_results(client, experiment, record, prepare_out(out, force))
@@ -190,9 +202,8 @@ def register(app: typer.Typer) -> None:
 
 
 def write_results(client: RuntimeClient, experiment: str, record: dict[str, Any], out: Path) -> None:
-    from dfca.algorithms import schedule_of  # only for an old metrics service, which draws no plots
-    from dfca.config import ExperimentConfig
-    from dfca.results.outputs import plot_history
+    from dfca.cli.runtime_client import ApiError
+    from dfca.results.run_folder import written_files
 
     summary = client.summary(experiment)
     if summary is None:
@@ -211,6 +222,10 @@ def write_results(client: RuntimeClient, experiment: str, record: dict[str, Any]
         for name, content in plots.items():
             (out / name).write_bytes(content)
     elif evaluated := [h for h in history if "test_accuracy" in h or "gcd" in h]:  # an older metrics service
+        from dfca.algorithms import schedule_of  # which draws no plots: the algorithms (and torch) draw them here
+        from dfca.config import ExperimentConfig
+        from dfca.results.outputs import plot_history
+
         cfg = ExperimentConfig.model_validate(record["config"])
         plot_history(out, evaluated, cfg.name, schedule_of(cfg).seeding_rounds)
     if not models:
@@ -223,6 +238,8 @@ def watch(client: RuntimeClient, experiment: str, timeout: float | None = None) 
     """A progress bar over the experiment's rounds until it ends, then its summary table: 0 when it completed,
     1 when it failed or was stopped, 124 when `timeout` seconds passed first, 130 on Ctrl-C (it keeps running)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dfca.cli.runtime_client import TERMINAL, WaitTimedOut
 
     total = int(client.experiment(experiment).get("rounds") or 0) or None
     deadline = None if timeout is None else time.monotonic() + timeout
