@@ -12,6 +12,10 @@ if ! command -v apt-get >/dev/null 2>&1; then
 fi
 SUDO=""
 if [ "$(id -u)" != 0 ]; then
+  if ! command -v sudo >/dev/null 2>&1; then
+    echo "install_rabbitmq.sh: installing rabbitmq-server needs root: run as root or install sudo" >&2
+    exit 1
+  fi
   SUDO="sudo"
 fi
 export DEBIAN_FRONTEND=noninteractive

@@ -70,7 +70,7 @@ def test_a_missing_token_and_a_bad_config_say_what_to_fix(tmp_path: Path, topolo
     assert no_token.exit_code == 1 and "DFCA_API_TOKEN" in no_token.output
     bad = runner.invoke(app, ["submit", str(cfg), "--topology", topology_only, "--token", TOKEN,
                               "--set", "train.lr=-1"])
-    assert bad.exit_code == 2 and "train.lr" in bad.output  # refused locally, before any call
+    assert bad.exit_code == 2 and "train.lr" in bad.output  # refused by the service, naming the field
     monkeypatch.setenv("DFCA_TOPOLOGY_URL", topology_only)
     monkeypatch.setenv("DFCA_API_TOKEN", TOKEN)
     refused = runner.invoke(app, ["submit", str(cfg), "--set", "algorithm=ifca"])  # no aggregator there
@@ -228,10 +228,12 @@ def test_submit_wait_status_logs_and_results_on_a_real_stack(rabbitmq_url: str, 
         listed = runner.invoke(app, ["status"])
         assert listed.exit_code == 0 and experiment in listed.output and "completed" in listed.output
         assert "3 of 3 workers known (0, 1, 2), no aggregator" in " ".join(listed.output.split())
-        one = json.loads(runner.invoke(app, ["status", experiment]).output)
+        one = json.loads(runner.invoke(app, ["status", experiment, "--json"]).output)
         assert one["experiment"]["status"] == "completed" and one["summary"]["test_accuracy"] > 0.6
         logged = runner.invoke(app, ["logs", experiment, "--no-follow"])
         assert logged.exit_code == 0 and "accuracy" in logged.output and "status: completed" in logged.output
+        assert "round 6 of 6:" in logged.output  # every round, counted as the product counts them
+        assert runner.invoke(app, ["logs", experiment]).output == logged.output  # a finished run: its whole history
 
         out = tmp_path / "results"
         fetched = runner.invoke(app, ["results", experiment, "--out", str(out)])
@@ -251,12 +253,12 @@ def test_submit_wait_status_logs_and_results_on_a_real_stack(rabbitmq_url: str, 
                                    "--set", "name=long"])
         assert long.exit_code == 124, long.output  # gave up waiting; the run goes on
         running = re.search(r"^(long-[0-9a-f]+)$", long.output, re.MULTILINE).group(1)
-        assert json.loads(runner.invoke(app, ["status", running]).output)["experiment"]["status"] == "running"
+        assert json.loads(runner.invoke(app, ["status", running, "--json"]).output)["experiment"]["status"] == "running"
         stopped = runner.invoke(app, ["stop", running])
         assert stopped.exit_code == 0 and "stopped" in stopped.output
         followed = runner.invoke(app, ["logs", running])  # follows until the run ends: at once, it was stopped
         assert followed.exit_code == 0 and "status: stopped" in followed.output, followed.output
-        record = json.loads(runner.invoke(app, ["status", running]).output)["experiment"]
+        record = json.loads(runner.invoke(app, ["status", running, "--json"]).output)["experiment"]
         assert record["status"] == "stopped" and record["round"] < 500
 
 

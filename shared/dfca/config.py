@@ -13,11 +13,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, create_model
 
 from dfca.algorithms import CLIENTS
 from dfca.algorithms.server_clustering import ClusteredClients
+from dfca.config_files import ConfigError, apply_overrides, read_config_file
 from dfca.sections import (
     MAX_CATEGORIES_PER_CLIENT,
     DataConfig,
@@ -61,10 +61,6 @@ def compose_config(algorithms: Mapping[str, type[Algorithm]]) -> type[Experiment
 ExperimentConfig = compose_config(CLIENTS)  # the registry's: `algorithm: dfca`, `dfca:` ... `fedcref:`, `runtime:`
 
 
-class ConfigError(ValueError):
-    """A config that failed validation; the message names each bad field."""
-
-
 def format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -78,48 +74,6 @@ def parse_config(data: dict[str, Any]) -> ExperimentConfig:
         return ExperimentConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from err
-
-
-def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Apply `key.path=value` overrides (the CLI's `--set`) to a config mapping, in place.
-
-    The value is read as YAML (`0.05`, `[0, 180]`, `true`, `null`, `erdos_renyi`); missing sections are made.
-    The result still has to pass `parse_config`, so a wrong key or value is reported like one in the file.
-    """
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"--set {item!r}: expected key=value with a dotted key, e.g. train.lr=0.05")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{key}: the value {raw!r} is not valid YAML ({err})") from err
-        node = data
-        path = key.split(".")
-        for depth, part in enumerate(path[:-1]):
-            child = node.setdefault(part, {})
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"{'.'.join(path[: depth + 1])}: is a value, not a section, so {key} cannot be set")
-            node = child
-        node[path[-1]] = value
-    return data
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The YAML mapping of a config file, before validation."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from err
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of config keys")
-    return data
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:

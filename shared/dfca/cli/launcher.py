@@ -4,7 +4,9 @@ Starts the topology service, the metrics service, optionally the aggregator, and
 as `python -m dfca.cli <service>` with its DFCA_* environment. Like Kubernetes, it restarts a
 process that dies (backoff 1 s doubling to 30 s, reset after a minute of uptime); a restarted
 worker resumes its clients from its checkpoints. SIGTERM or Ctrl-C stops every process with
-SIGTERM (workers first), then SIGKILL after a grace period.
+SIGTERM (workers first), then SIGKILL after a grace period. Each service logs to
+`<state dir>/logs/<name>.log` unless told to log to the terminal. `run_stack` writes the state file
+(dfca.cli.stack_state) that the other commands read to find the stack and that `dfca down` stops it by.
 
 Children run in their own sessions, so a terminal's Ctrl-C reaches only the launcher, which then
 stops them in order. Workers get OMP_NUM_THREADS = cores // workers (at least 1), so N workers
@@ -57,7 +59,7 @@ class StackOptions:
     metrics_db_url: str | None = None
     data_root: str | None = None
     log_level: str = "INFO"
-    log_to_files: bool = False  # each service's log in state_dir/logs/<name>.log instead of this stderr
+    log_to_files: bool = True  # each service's log in state_dir/logs/<name>.log; False: this process's stderr
     restart: bool = True
     # principal -> its own AMQP URL (dfca.identity.broker_users); None: broker_url
     broker_users: dict[str, str] | None = None
@@ -293,6 +295,42 @@ class Stack:
                 raise TimeoutError(f"not ready after {timeout:.0f} s: {', '.join(waiting)}")
             time.sleep(0.5)
 
+    def pids(self) -> list[int]:
+        with self.lock:
+            return [p.pid for p in self.services.values() if p.running and p.pid is not None]
+
+    def state(self, token_file: Path | None) -> dict[str, object]:
+        """What the state file says about this stack (dfca.cli.stack_state)."""
+        options = self.options
+        return {"pid": os.getpid(), "topology_url": options.topology_url, "metrics_url": options.metrics_url,
+                "state_dir": str(options.state_dir.resolve()),
+                "logs": str((options.state_dir / "logs").resolve()) if options.log_to_files else "",
+                "token_file": str(token_file.resolve()) if token_file is not None else "",
+                "pids": self.pids(), "started_at": time.time()}
+
+    def status_block(self, token_file: Path | None, state_files: list[Path]) -> str:
+        """What `dfca up` prints under the ready line: where everything is and how to stop it."""
+        options = self.options
+        logs = (f"{(options.state_dir / 'logs').resolve()}/<service>.log" if options.log_to_files
+                else "this terminal (--log-to-terminal)")
+        if token_file is not None:
+            token = f"API token in {token_file.resolve()} (the dfca commands read it from there)"
+        else:
+            token = "API token from DFCA_API_TOKEN"
+        reads = ("reads need DFCA_READ_TOKEN or the API token" if options.read_token
+                 else "reads are open (no DFCA_READ_TOKEN)")
+        lines = [
+            f"  topology   {options.topology_url}",
+            f"  metrics    {options.metrics_url}",
+            f"  dashboard  {options.metrics_url}/ui",
+            f"  logs       {logs}",
+            f"  tokens     {token}; {reads}",
+        ]
+        if state_files:
+            lines.append(f"  state      {', '.join(str(p.absolute()) for p in state_files)}")
+        lines.append("  stop       Ctrl-C here, or `dfca down` from another terminal")
+        return "\n".join(lines)
+
     def ready_line(self) -> str:
         """What `dfca up` prints once every process is ready."""
         options = self.options
@@ -302,15 +340,34 @@ class Stack:
                 "everything")
 
 
+def write_token_file(options: StackOptions) -> Path:
+    """The API token `dfca up` made, in `<state dir>/api-token`, readable by this user only."""
+    path = options.state_dir / "api-token"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(options.api_token + "\n")
+    return path
+
+
 def run_stack(options: StackOptions) -> int:
     """Run until SIGTERM/SIGINT; returns the exit code for `dfca up`."""
+    from dfca.cli import stack_state
+
     if not broker_reachable(options.broker_url):
         print(f"dfca up: no RabbitMQ answers at {options.broker_url}; start one (scripts/start_rabbitmq.sh) "
               "or pass --broker URL", file=sys.stderr)
         return 1
+    running = stack_state.read(options.state_dir / stack_state.FILE_NAME)
+    if running is not None and running.running and running.pid != os.getpid():
+        print(f"dfca up: a stack (pid {running.pid}) already runs from {options.state_dir}; stop it with "
+              "`dfca down` or pick another --state-dir", file=sys.stderr)
+        return 1
+    token_file: Path | None = None
     if not options.api_token:
         options.api_token = secrets.token_urlsafe(24)
-        print(f"dfca up: DFCA_API_TOKEN is not set; this stack's token is {options.api_token}", file=sys.stderr)
+        token_file = write_token_file(options)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -318,19 +375,28 @@ def run_stack(options: StackOptions) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     stack = Stack(options)
+    state_files: list[Path] = []
     try:
         stack.start()
+        state_files = stack_state.write(options.state_dir, stack.state(token_file))
         try:
             stack.wait_ready(stop=stop)
             if not stop.is_set():
+                state_files = stack_state.write(options.state_dir, stack.state(token_file))  # the pids now
                 print(stack.ready_line(), file=sys.stderr, flush=True)
+                print(stack.status_block(token_file, state_files), file=sys.stderr, flush=True)
         except TimeoutError as err:
-            print(f"dfca up: {err} (their logs say why; the stack keeps trying)", file=sys.stderr, flush=True)
+            where = f" ({options.state_dir.resolve() / 'logs'})" if options.log_to_files else ""
+            print(f"dfca up: {err} (their logs{where} say why; the stack keeps trying)", file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             stack.poll()
     finally:
-        print("dfca up: stopping", file=sys.stderr)
+        print("dfca up: stopping", file=sys.stderr, flush=True)
         stack.stop()
+        stack_state.remove(state_files, os.getpid())
+        if token_file is not None:
+            token_file.unlink(missing_ok=True)
         for s, handler in previous.items():
             signal.signal(s, handler)
+        print("dfca up: stopped; every process exited", file=sys.stderr, flush=True)
     return 0

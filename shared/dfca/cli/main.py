@@ -1,22 +1,25 @@
-"""The `dfca` command: `dfca run` (embedded simulator) and the service entry points."""
+"""The `dfca` command: `dfca run` (embedded simulator), `dfca up|down` and the service entry points.
+
+Imports are lazy: `dfca --help`, `--version` and the commands that only talk to a running stack (status, logs,
+stop, results, down) never import torch or the algorithms; each command imports what it runs inside itself.
+"""
 
 from __future__ import annotations
 
 import importlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
-from dfca.algorithms import schedule_of
-from dfca.config import ConfigError, ExperimentConfig, load_config
-from dfca.devices import DeviceUnavailable, resolve_device
-from dfca.results.run_folder import OutFolderRefused, prepare_out, written_files
-from dfca.schedule import RoundSchedule
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+    from rich.table import Table
+
+    from dfca.config import ExperimentConfig
+    from dfca.schedule import RoundSchedule
 
 app = typer.Typer(add_completion=False, help="Decentralized clustered federated learning (DFCA and baselines).")
 console = Console(stderr=True)
@@ -31,9 +34,11 @@ def version_text() -> str:
         ours = version("dfca")
     except PackageNotFoundError:  # run from a source tree that was never installed
         ours = "unknown (not installed)"
-    import torch
-
-    return f"dfca {ours} (torch {torch.__version__}, python {'.'.join(map(str, __import__('sys').version_info[:3]))})"
+    try:  # the installed distribution's version: importing torch takes seconds
+        torch = version("torch")
+    except PackageNotFoundError:
+        torch = "not installed"
+    return f"dfca {ours} (torch {torch}, python {'.'.join(map(str, __import__('sys').version_info[:3]))})"
 
 
 def _show_version(value: bool) -> None:
@@ -49,6 +54,8 @@ def _main(version: bool = typer.Option(False, "--version", "-V", callback=_show_
 
 
 def _load(config: Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
+    from dfca.config import ConfigError, load_config
+
     try:
         return load_config(config or DEFAULT_CONFIG, overrides or [])
     except ConfigError as err:
@@ -70,6 +77,8 @@ def _check_model(cfg: ExperimentConfig) -> None:
 
 def _check_device(cfg: ExperimentConfig) -> None:
     """`device` must exist on this machine for `dfca run` (workers check DFCA_DEVICE or `device` themselves)."""
+    from dfca.devices import DeviceUnavailable, resolve_device
+
     try:
         resolve_device(cfg.device)
     except DeviceUnavailable as err:
@@ -78,6 +87,8 @@ def _check_device(cfg: ExperimentConfig) -> None:
 
 
 def results_table(summary: dict[str, Any]) -> Table:
+    from rich.table import Table
+
     table = Table(title=f"{summary['name']}: {summary['algorithm']} ({summary['clients']} clients)")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -112,7 +123,11 @@ def run(
     seed: int = typer.Option(None, help="short for --set seed=N"),
 ) -> None:
     """Run an experiment in one process (every client vectorized, simulated network) and write its results."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from dfca.algorithms import schedule_of
     from dfca.results.outputs import MetricsLog, plot_history, save_models, write_summary
+    from dfca.results.run_folder import OutFolderRefused, prepare_out, written_files
     from dfca.simulator import simulate
 
     overrides = list(sets or []) + [f"{k}={v}" for k, v in (("rounds", rounds), ("seed", seed)) if v is not None]
@@ -167,6 +182,8 @@ def validate(config: Path = typer.Argument(..., help="experiment YAML"),
              sets: list[str] = typer.Option(None, "--set", help=SET_HELP)) -> None:
     """Check a config file (with any --set overrides) against the schema, that its `device` is here, and that a
     `model.kind: torch` factory makes a module that fits the data."""
+    from dfca.devices import resolve_device
+
     cfg = _load(config, sets)
     _check_device(cfg)
     _check_model(cfg)
@@ -216,13 +233,19 @@ def up(
     metrics_port: int = typer.Option(8081, help="metrics REST API port"),
     aggregator: bool = typer.Option(False, "--aggregator/--no-aggregator", help="also run the aggregator (8083)"),
     worker_port_base: int = typer.Option(8090, help="worker i serves /livez and /readyz on this port + i"),
-    state_dir: Path = typer.Option(Path(".dfca"), help="checkpoints, metrics database and logs go here"),
-    log_to_files: bool = typer.Option(False, "--log-files", help="services log to STATE_DIR/logs/ instead"),
+    state_dir: Path = typer.Option(Path(".dfca"), help="checkpoints, metrics database, logs, the API token and "
+                                   "the state file (stack.json) go here"),
+    log_to_files: bool = typer.Option(True, "--log-files/--log-to-terminal",
+                                      help="services log to STATE_DIR/logs/<service>.log; --log-to-terminal: "
+                                           "their JSON log lines go to this terminal instead"),
     broker_users: Path = typer.Option(None, "--broker-users", help="each process connects as its own broker user: "
                                       "the URLs `python -m dfca.identity.broker_users create` wrote (default "
                                       "DFCA_BROKER_USERS; none: every process uses --broker)"),
 ) -> None:
-    """Run the whole stack locally (topology, metrics, N workers) as OS processes; Ctrl-C stops it."""
+    """Run the whole stack locally (topology, metrics, N workers) as OS processes; Ctrl-C or `dfca down` stops it.
+
+    Prints where the APIs, the dashboard, the logs and the API token are once every process is ready, and writes
+    STATE_DIR/stack.json (and ~/.dfca/stack.json), which `dfca submit|status|stop|logs|results|down` read."""
     import os
 
     from dfca.cli.launcher import StackOptions, run_stack
@@ -252,6 +275,39 @@ def up(
     raise typer.Exit(run_stack(options))
 
 
+@app.command()
+def down(
+    state_dir: Path = typer.Option(None, "--state-dir", help="the STATE_DIR `dfca up` ran with [default: .dfca, "
+                                   "then ~/.dfca]"),
+    timeout: float = typer.Option(60.0, "--timeout", min=1.0, help="seconds to wait before killing what is left"),
+) -> None:
+    """Stop the stack `dfca up` runs (found by its state file): every process exits, the state file goes."""
+    from dfca.cli import stack_state
+
+    if state_dir is not None:
+        found = stack_state.read(state_dir / stack_state.FILE_NAME)
+        state, stale = (found, []) if found is not None and found.running else (None, [found] if found else [])
+    else:
+        state, stale = stack_state.find()
+    for old in stale:  # the stack is gone: its file only misleads
+        old.path.unlink(missing_ok=True)
+        typer.echo(f"dfca down: removed {old.path}, left by a stack that is gone (pid {old.pid})", err=True)
+    if state is None:
+        where = state_dir / stack_state.FILE_NAME if state_dir is not None else " or ".join(
+            str(p) for p in stack_state.candidates())
+        typer.echo(f"dfca down: no running stack found (no live `dfca up` in {where})", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"dfca down: stopping the stack of pid {state.pid} ({state.topology_url}; read {state.path})",
+               err=True)
+    clean = stack_state.stop(state, timeout)
+    stack_state.remove([state.path, stack_state.home_file()], state.pid)
+    if clean:
+        typer.echo("dfca down: stopped; every process exited", err=True)
+        return
+    typer.echo(f"dfca down: still running after {timeout:g} s; killed what was left", err=True)
+    raise typer.Exit(1)
+
+
 def round_status(record: dict[str, Any]) -> str:
     if "gcd" in record:  # k-means: how far the nodes are from the centralised solution and from each other
         return f"GCD {record['gcd']:.2e} CV {record['cv']:.2e}"
@@ -278,6 +334,8 @@ def stop_note(cfg: ExperimentConfig) -> str:
 
 
 def seeding_note(cfg: ExperimentConfig) -> str:
+    from dfca.algorithms import schedule_of
+
     seeding = schedule_of(cfg).seeding_rounds
     return f" after {seeding} rounds of farthest-first seeding (dfca.seeding)" if seeding else ""
 

@@ -42,15 +42,34 @@ class Endpoints:
     topology: str
     metrics: str
     token: str
+    source: str = ""  # where the URLs came from, when not from an option or the environment (said in errors)
 
     @classmethod
     def resolve(cls, topology: str | None, metrics: str | None, token: str | None) -> Endpoints:
-        """Flags first, then DFCA_TOPOLOGY_URL, DFCA_METRICS_URL and DFCA_API_TOKEN (else DFCA_READ_TOKEN, enough to
-        read), then the `dfca up` defaults."""
-        return cls((topology or os.environ.get("DFCA_TOPOLOGY_URL") or DEFAULT_TOPOLOGY_URL).rstrip("/"),
-                   (metrics or os.environ.get("DFCA_METRICS_URL") or DEFAULT_METRICS_URL).rstrip("/"),
-                   token if token is not None else
-                   os.environ.get("DFCA_API_TOKEN") or os.environ.get("DFCA_READ_TOKEN", ""))
+        """Each of the three from, in order: its flag; DFCA_TOPOLOGY_URL, DFCA_METRICS_URL, DFCA_API_TOKEN (else
+        DFCA_READ_TOKEN, enough to read); the state file of a running `dfca up` (dfca.cli.stack_state: its URLs and
+        the token file it made); the `dfca up` defaults."""
+        from dfca.cli import stack_state
+
+        topology = topology or os.environ.get("DFCA_TOPOLOGY_URL")
+        metrics = metrics or os.environ.get("DFCA_METRICS_URL")
+        if token is None:
+            token = os.environ.get("DFCA_API_TOKEN") or os.environ.get("DFCA_READ_TOKEN") or None
+        source = ""
+        if topology is None or metrics is None or token is None:
+            state, stale = stack_state.find()
+            if state is not None:
+                used = [name for name, value in (("topology", topology), ("metrics", metrics)) if value is None]
+                topology = topology or state.topology_url
+                metrics = metrics or state.metrics_url
+                if token is None and state.token():
+                    token, used = state.token(), [*used, "token"]
+                source = f"{' and '.join(used)} read from {state.path} (the `dfca up` of pid {state.pid})"
+            elif stale and (topology is None or metrics is None):
+                source = (f"{stale[0].path} was not used: the `dfca up` that wrote it (pid {stale[0].pid}) is gone; "
+                          "`dfca down` removes it")
+        return cls((topology or DEFAULT_TOPOLOGY_URL).rstrip("/"), (metrics or DEFAULT_METRICS_URL).rstrip("/"),
+                   token or "", source)
 
 
 class RuntimeClient:
@@ -92,9 +111,10 @@ class RuntimeClient:
 
     def _unreachable(self, client: httpx.Client, err: Exception) -> ServiceUnreachable:
         service = "topology" if client is self.topology else "metrics"
-        return ServiceUnreachable(f"cannot reach the {service} service at {client.base_url} ({type(err).__name__}); "
-                                  f"is the stack running? Start it with `dfca up`, or point DFCA_{service.upper()}_URL "
-                                  f"(or --{service}) at it")
+        source = f"; {self.endpoints.source}" if self.endpoints.source else ""
+        return ServiceUnreachable(f"cannot reach the {service} service at {client.base_url} ({type(err).__name__})"
+                                  f"{source}; is the stack running? Start it with `dfca up`, or point "
+                                  f"DFCA_{service.upper()}_URL (or --{service}) at it")
 
     def create(self, config: dict[str, Any]) -> str:
         return str(self._call(self.topology, "POST", "/experiments", json=config).json()["id"])

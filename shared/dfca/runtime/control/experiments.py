@@ -9,6 +9,8 @@ Status: created -> running -> completed | failed, or -> stopping -> stopped on a
   heard, every worker gets a fresh grace period); it is live again when it speaks;
 - the experiment completes when every worker with clients has finished or is presumed dead (or
   failed); the clients of dead and failed workers are reported as failed. No worker finished: failed.
+- a stop that comes after every worker with clients finished the last round (one racing the run's end:
+  workers that report `stopped` at the last round did finish it) leaves the run `completed`, not `stopped`.
 """
 
 from __future__ import annotations
@@ -196,9 +198,28 @@ class ExperimentRecord:
                 newly.append(w)
         return newly
 
+    def finished_last_round(self, view: WorkerView) -> bool:
+        """Whether a worker is done with every round: it said `finished`, or a stop reached it after the last."""
+        return view.state == "finished" or (view.state == "stopped" and
+                                            view.round >= schedule_of(self.config).total_rounds)
+
+    def completed_before_stop(self) -> bool:
+        """Every worker with clients finished the last round (or is dead or failed, at least one finished): what a
+        stop that arrived late finds, and must not turn into `stopped`."""
+        if not self.go:
+            return False
+        views = [self.worker_views.get(w) for w in self.hosting_workers()]
+        if any(v is None for v in views):
+            return False
+        done = [v for v in views if v is not None and self.finished_last_round(v)]
+        return bool(done) and all(v is not None and (self.finished_last_round(v) or v.state in ("dead", "failed"))
+                                  for v in views)
+
     def settle(self, now: float) -> ExperimentStatus | None:
         """The terminal status the experiment reached, if it reached one."""
         if self.status == "stopping":
+            if self.completed_before_stop():
+                return "completed"
             views = self.worker_views.values()
             if all(v.state in ("stopped", "finished", "failed", "dead") for v in views) or (
                     self.stop_requested_at is not None and now - self.stop_requested_at > STOP_TIMEOUT_S):
