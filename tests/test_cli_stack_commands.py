@@ -142,7 +142,7 @@ def test_status_fits_80_columns_and_prints_json_only_when_asked(use_stub: Any) -
     lines = listed.output.splitlines()
     assert all(len(line) <= 80 for line in lines)
     rows = [line for line in lines if "run-0" in line]
-    assert len(rows) == 3 and all("completed" in row and "5/5" in row and "0.912" in row
+    assert len(rows) == 3 and all("completed" in row and "3/3" in row and "0.912" in row
                                   and row.rstrip().endswith("1.000") for row in rows)
     assert "run-00-0123456789abcdef" in rows[0]  # the id is never cut: users copy it
     assert not any("comple" in line and "completed" not in line for line in lines)
@@ -314,3 +314,16 @@ def test_dfca_up_logs_to_files_prints_where_everything_is_and_dfca_down_stops_it
             up.terminate()
             up.wait(60)
         reader.join(10)
+
+
+def test_status_counts_rounds_in_their_phase() -> None:
+    """`dfca status` counts a run's rounds as the progress bar, plots and logs do: seeding first, then training."""
+    from dfca.cli.remote_commands import round_progress
+
+    record = {"rounds": 18, "config": {"rounds": 10}}
+    assert round_progress({**record, "round": 0}) == "0/10"
+    assert round_progress({**record, "round": 5}) == "seeding 5/8"
+    assert round_progress({**record, "round": 8}) == "seeding 8/8"
+    assert round_progress({**record, "round": 12}) == "4/10"
+    assert round_progress({**record, "round": 18}) == "10/10"
+    assert round_progress({"rounds": 18, "round": 5}) == "5/18"  # a record that does not say its config

@@ -253,7 +253,11 @@ def watch(client: RuntimeClient, experiment: str, timeout: float | None = None) 
                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console) as progress:
             task = progress.add_task(experiment, total=total, status="")
             for event, data in client.follow(experiment, deadline=deadline):
-                if event == "progress":
+                if event == "progress" and "phase_round" in data:  # counted in its phase: seeding, then rounds
+                    phase = "seeding" if data["phase"] == "seeding" else "rounds"
+                    progress.update(task, description=f"{experiment} {phase}", total=data["phase_rounds"],
+                                    completed=data["phase_round"], status=data.get("status", ""))
+                elif event == "progress":
                     progress.update(task, completed=data["round"], status=data.get("status", ""))
                 elif event == "status":
                     final = data["status"]
@@ -328,6 +332,18 @@ def record_schedule(record: dict[str, Any]) -> RoundSchedule | None:
         return None
 
 
+def round_progress(record: dict[str, Any]) -> str:
+    """How far a run is, counted as the rest of the product counts rounds: `seeding 3/8`, then `4/10`."""
+    done = int(record.get("round") or 0)
+    schedule = record_schedule(record)
+    if schedule is None:
+        return f"{done}/{record.get('rounds', '?')}"
+    if done < 1:
+        return f"0/{schedule.cfg.rounds}"
+    phase, number, total = schedule.phase_round(min(done, schedule.total_rounds) - 1)
+    return f"seeding {number}/{total}" if phase == "seeding" else f"{number}/{total}"
+
+
 def round_label(completed: int, schedule: RoundSchedule | None) -> str:
     """Round `completed` (1-based, as reports count them) as `seeding 3 of 8` or `round 4 of 10`."""
     if schedule is None or not 1 <= completed <= schedule.total_rounds:
@@ -358,7 +374,7 @@ def experiments_table(records: list[dict[str, Any]], summaries: dict[str, dict[s
     width = width or Console().width
 
     rows = [(record["id"], record.get("name", ""), record.get("algorithm", ""), record["status"],
-             f"{record.get('round', 0)}/{record.get('rounds', '?')}",
+             round_progress(record),
              short((summaries.get(record["id"]) or {}).get("test_accuracy")),
              short((summaries.get(record["id"]) or {}).get("cluster_ari"))) for record in records]
 
@@ -391,7 +407,7 @@ def experiment_tables(record: dict[str, Any], summary: dict[str, Any] | None) ->
     about.add_column("value", overflow="fold")
     failed = record.get("failed_clients") or []
     for key, value in (("name", record.get("name")), ("algorithm", record.get("algorithm")),
-                       ("status", record.get("status")), ("round", f"{record.get('round', 0)}/{record.get('rounds')}"),
+                       ("status", record.get("status")), ("round", round_progress(record)),
                        ("clients", record.get("clients")), ("workers", record.get("workers")),
                        ("started", clock(record.get("started_at"))), ("finished", clock(record.get("finished_at"))),
                        ("failed clients", ", ".join(map(str, failed)) if failed else "none")):
