@@ -326,4 +326,5 @@ def test_status_counts_rounds_in_their_phase() -> None:
     assert round_progress({**record, "round": 8}) == "seeding 8/8"
     assert round_progress({**record, "round": 12}) == "4/10"
     assert round_progress({**record, "round": 18}) == "10/10"
-    assert round_progress({"rounds": 18, "round": 5}) == "5/18"  # a record that does not say its config
+    assert round_progress({"rounds": 18, "seeding_rounds": 8, "round": 12}) == "4/10"  # the list: no config
+    assert round_progress({"rounds": 18, "round": 5}) == "5/18"  # a record that says neither

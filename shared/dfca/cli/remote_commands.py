@@ -326,6 +326,9 @@ class RecordSchedule(RoundSchedule):
 def record_schedule(record: dict[str, Any]) -> RoundSchedule | None:
     """The schedule of a topology record (GET /experiments/ID), or None when it does not say its rounds."""
     try:
+        if "seeding_rounds" in record:  # every record says it; the list leaves the config out
+            seeding = int(record["seeding_rounds"])
+            return RecordSchedule(int(record["rounds"]) - seeding, seeding)
         rounds = int(record["config"]["rounds"])
         return RecordSchedule(rounds, int(record["rounds"]) - rounds)
     except (KeyError, TypeError, ValueError):

@@ -133,9 +133,11 @@ class ExperimentRecord:
 
     def public(self, now: float | None = None) -> dict[str, Any]:
         now = time.time() if now is None else now
+        schedule = schedule_of(self.config)
         return {
             "id": self.id, "name": self.config.name, "algorithm": self.config.algorithm, "status": self.status,
-            "round": self.round, "rounds": schedule_of(self.config).total_rounds, "clients": self.num_clients,
+            "round": self.round, "rounds": schedule.total_rounds, "seeding_rounds": schedule.seeding_rounds,
+            "clients": self.num_clients,
             "workers": self.workers,
             "go": self.go, "topology_version": self.topology_version, "created_at": self.created_at,
             "started_at": self.started_at, "finished_at": self.finished_at, "failed_clients": self.failed_clients,
