@@ -173,12 +173,16 @@ def test_a_finished_run_reads_at_a_glance(stack: Stack, browser: webdriver.Chrom
     assert by_testid(browser, "summary-ari").text.startswith("1.00")
     assert by_testid(browser, "summary-accuracy").text.startswith(f"{summary['test_accuracy']:.3f}")
     assert by_testid(browser, "summary-clustered-right").text.startswith("24 of 24")
+    assert by_testid(browser, "summary-rounds").text.startswith("10 of 10 (after 8 seeding)")
+    assert [by_testid(browser, f"worker-{w}").text.split()[3] for w in range(3)] == ["10/10"] * 3
     config = by_testid(browser, "config").text
     assert "name: glance" in config and "clusters: 2" in config and "rotations: [0, 180]" in config
 
     for testid in ("curve-accuracy", "curve-ari", "curve-loss", "curve-clusters"):
         option = browser.execute_script(CHART_OPTION, testid)
-        assert option["xAxis"][0]["name"] == "round" and option["yAxis"][0]["axisLabel"]["fontSize"], testid
+        assert option["xAxis"][0]["name"] == "training round" and option["yAxis"][0]["axisLabel"]["fontSize"], testid
+        xs = [point[0] for point in option["series"][0]["data"]]
+        assert min(xs) > 0 and xs[-1] == 10  # seeding inside (0, 1), then training rounds 1..10, as the plots draw
         assert option["tooltip"][0]["trigger"] == "axis", testid  # hover values
         assert len(option["series"][0]["data"]) == int(by_testid(browser, testid).get_attribute("data-points")) > 0
     ari = browser.execute_script(CHART_OPTION, "curve-ari")

@@ -138,7 +138,8 @@ async function experimentPage(main, id) {
     status.className = `badge ${record.status}`;
     byTestId(main, "start").disabled = record.status !== "created";
     byTestId(main, "stop").disabled = !["running", "created"].includes(record.status);
-    workersTable(byTestId(main, "workers"), record.worker_states || {});
+    workersTable(byTestId(main, "workers"), record.worker_states || {}, record.seeding_rounds === undefined ? null
+      : { seeding_rounds: record.seeding_rounds, rounds: record.rounds - record.seeding_rounds });
     const view = await api(`/ui/api/overview/${id}`);
     if (closed) return null;
     byTestId(main, "round").textContent = progressLabel(record, view.schedule);
@@ -215,9 +216,12 @@ function progressLabel(record, schedule) {
   return roundLabel({ round: record.round }, schedule);
 }
 
+// x of a round, as the plots draw it: training round r at r; the S seeding rounds evenly inside (0, 1), before round 1
+function roundX(round, seeding) { return round <= seeding ? round / (seeding + 1) : round - seeding; }
+
 function drawCurve(chart, node, history, seeding, series, yAxis, digits = 3) {
   const rows = history.filter((h) => series.some((s) => h[s.key] !== undefined && h[s.key] !== null));
-  const rounds = rows.map((h) => h.round);
+  const rounds = rows.map((h) => roundX(h.round, seeding));
   node.setAttribute("data-points", String(rows.length));
   const option = {
     animationDuration: 300,
@@ -226,16 +230,18 @@ function drawCurve(chart, node, history, seeding, series, yAxis, digits = 3) {
     legend: series.length > 1 ? { top: 2, itemHeight: 8, textStyle: { fontSize: 11 } } : { show: false },
     tooltip: { trigger: "axis", confine: true,
       formatter: (ps) => [ps[0].data[2], ...ps.map((p) => `${p.marker}${p.seriesName}: ${fmt(p.data[1], digits)}`)].join("<br>") },
-    xAxis: { type: "value", name: "round", nameLocation: "middle", nameGap: 24, minInterval: 1,
-      min: Math.min(1, ...rounds), max: Math.max(2, ...rounds), axisLabel: { fontSize: 10 } },
+    xAxis: { type: "value", name: "training round", nameLocation: "middle", nameGap: 24, minInterval: 1,
+      min: seeding > 0 ? 0 : Math.min(1, ...rounds), max: Math.max(2, ...rounds),
+      axisLabel: { fontSize: 10, formatter: (v) => (v >= 1 && Number.isInteger(v) ? String(v) : "") } },
     yAxis: Object.assign({ type: "value", axisLabel: { fontSize: 10 }, splitLine: { lineStyle: { color: "#eef0f4" } },
       scale: yAxis.max === undefined }, yAxis),
     series: series.map((s, i) => ({
       name: s.name, type: "line", showSymbol: true, symbolSize: 5,
-      data: rows.filter((h) => h[s.key] !== undefined && h[s.key] !== null).map((h) => [h.round, h[s.key], h.displayLabel]),
+      data: rows.filter((h) => h[s.key] !== undefined && h[s.key] !== null)
+        .map((h) => [roundX(h.round, seeding), h[s.key], h.displayLabel]),
       markArea: i === 0 && seeding > 0 ? { silent: true, itemStyle: { color: "rgba(148,163,184,0.15)" },
         label: { show: true, position: "insideTop", fontSize: 10, color: "#6b7280" },
-        data: [[{ name: "seeding", xAxis: 0.5 }, { xAxis: seeding + 0.5 }]] } : undefined,
+        data: [[{ name: "seeding", xAxis: 0 }, { xAxis: (seeding + 0.5) / (seeding + 1) }]] } : undefined,
     })),
   };
   chart.setOption(option, { notMerge: true });
@@ -260,8 +266,11 @@ function summaryCards(node, view, record) {
   const k = view.config ? view.config.clusters : undefined;
   add("clusters", "populated clusters", `${s.populated_clusters ?? last.populated_clusters ?? "–"}${k ? ` of ${k}` : ""}`);
   if (s.assignment_counts) add("counts", "clients per cluster", s.assignment_counts.join(" · "));
-  add("rounds", "rounds", `${record.round} of ${record.rounds}` + (view.schedule && view.schedule.seeding_rounds
-    ? ` (${view.schedule.seeding_rounds} seeding)` : ""));
+  const seeding = view.schedule ? view.schedule.seeding_rounds : 0;
+  const training = view.schedule ? view.schedule.rounds : record.rounds;
+  const done = record.round || 0;
+  add("rounds", "rounds", seeding && done <= seeding ? `seeding ${done} of ${seeding}`
+    : `${done - seeding} of ${training}` + (seeding ? ` (after ${seeding} seeding)` : ""));
   if (s.wall_seconds !== undefined) add("seconds", "wall time", `${fmt(s.wall_seconds, 1)} s`);
   if (s.seconds_per_round !== undefined) add("seconds-per-round", "seconds per round", fmt(s.seconds_per_round, 2));
   if (s.bytes_sent_per_client_per_round !== undefined) {
@@ -416,11 +425,18 @@ function toYaml(value, indent = "") {
   return scalar(value);
 }
 
-function workersTable(table, states) {
+// a round as the workers table shows it: `seeding 3/8`, then `4/10` (absolute rounds without a schedule)
+function shortRound(round, schedule) {
+  if (!schedule || !round) return String(round ?? 0);
+  const s = schedule.seeding_rounds;
+  return s && round <= s ? `seeding ${round}/${s}` : `${round - s}/${schedule.rounds}`;
+}
+
+function workersTable(table, states, schedule) {
   const rows = Object.entries(states).map(([w, s]) => {
     const tr = el("tr", { "data-testid": `worker-${w}` });
     const state = s.state === "dead" ? "presumed dead" : s.incarnations > 1 ? `${s.state} (restarted)` : s.state;
-    for (const c of [w, state, s.device || "–", s.round, s.incarnations, s.seconds_since_seen === null ? "–" : `${fmt(s.seconds_since_seen, 1)} s ago`]) {
+    for (const c of [w, state, s.device || "–", shortRound(s.round, schedule), s.incarnations, s.seconds_since_seen === null ? "–" : `${fmt(s.seconds_since_seen, 1)} s ago`]) {
       tr.append(el("td", {}, String(c)));
     }
     return tr;
