@@ -158,7 +158,7 @@ def test_field_errors_of_a_refused_config_are_printed(tmp_path: Path, stub_clien
 
     stub_client(httpx.MockTransport(refuse))
     result = runner.invoke(app, ["submit", str(write_config(tmp_path))])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a bad config, as a bad command line: the service named the field
     assert "config was refused: data.clients: Input should be greater than 0" in " ".join(result.output.split())
 
 
