@@ -55,9 +55,9 @@ def add_dashboard(app: FastAPI, store: MetricsStore, topology_url: str | None) -
     def overview(experiment: str) -> dict[str, Any]:
         """What the experiment page draws, in one call that answers 200 even before the metrics service has heard
         of the experiment (a 404 would be an error in the browser's console): the summary, the run's config, the
-        evaluated rounds (each with its `label`, "seeding 3 of 8" or "round 4 of 10"), the schedule's seeding and
-        training rounds, and every client's latest assigned and true cluster for the graph, its assigned cluster
-        matched to a true one (`clients_view`)."""
+        evaluated rounds (each with its `phase`, `phase_round` and `phase_rounds`: run_summary.history), the
+        schedule's seeding and training rounds, and every client's latest assigned and true cluster for the graph,
+        its assigned cluster matched to a true one (`clients_view`)."""
         stored = store.experiment(experiment)
         if stored is None:
             return {"id": experiment, "known": False, "summary": None, "config": None, "schedule": None,
@@ -65,8 +65,6 @@ def add_dashboard(app: FastAPI, store: MetricsStore, topology_url: str | None) -
         reports = store.reports(experiment)
         schedule = schedule_of(stored.config)
         rows = [h for h in history(stored, reports) if "test_accuracy" in h]
-        for row in rows:
-            row.setdefault("label", schedule.label(row["round"] - 1))  # rounds are 1-based, t 0-based
         return {"id": experiment, "known": True, "status": stored.status, "summary": summary_of(store, experiment),
                 "config": stored.config.model_dump(mode="json"), "history": rows,
                 "schedule": {"seeding_rounds": schedule.seeding_rounds, "rounds": stored.config.rounds},

@@ -201,7 +201,6 @@ function roundLabel(row, schedule) {
   if (row.phase && row.phase_round !== undefined && row.phase_rounds !== undefined) {
     return phaseLabel(row.phase, row.phase_round, row.phase_rounds);
   }
-  if (row.label) return row.label;
   if (!schedule) return `round ${row.round}`;
   const s = schedule.seeding_rounds;
   return row.round <= s ? phaseLabel("seeding", row.round, s) : phaseLabel("training", row.round - s, schedule.rounds);
