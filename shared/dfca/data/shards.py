@@ -1,4 +1,10 @@
-"""Per-client tensors: what every driver hosts, images or feature vectors, on a device."""
+"""Per-client tensors: what every driver hosts, images or feature vectors, on a device.
+
+Clients of unequal size are padded: client i's train set is its first `train_count[i]` rows of x_train[i]
+(the rest is padding, never trained on or counted), and likewise for test. Where every client is full the
+counts are None. A federation whose true clusters are unknown (a folder without clusters.json) has
+true_cluster -1 everywhere; `has_true_clusters` says so, and nothing reports ARI then.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +28,9 @@ class FederatedData:
     train_distribution: torch.Tensor | None = None  # [N, n_train] int64 distribution of every train sample
     test_distribution: torch.Tensor | None = None  # [N, n_test] int64 distribution of every test sample
     rotations: tuple[int, ...] = ()  # degrees of each distribution j
+    train_count: torch.Tensor | None = None  # [N] int64 real train samples of each client (None: all n_train)
+    test_count: torch.Tensor | None = None  # [N] int64 real test samples of each client (None: all n_test)
+    client_names: tuple[str, ...] = ()  # a folder federation's client ids, in row order (empty: 0..N-1)
 
     def __post_init__(self) -> None:
         n = self.x_train.shape[0]
@@ -33,7 +42,11 @@ class FederatedData:
             self.mixture,
             self.train_distribution,
             self.test_distribution,
+            self.train_count,
+            self.test_count,
         ]
+        if self.client_names and len(self.client_names) != n:
+            raise ValueError("FederatedData: client_names must name every client")
         if any(t is not None and t.shape[0] != n for t in per_client):
             raise ValueError("FederatedData: every per-client tensor must have the same first dimension N")
 
@@ -46,18 +59,54 @@ class FederatedData:
     def num_clients(self) -> int:
         return int(self.x_train.shape[0])
 
+    @property
+    def has_true_clusters(self) -> bool:
+        """Whether true_cluster is known (ARI and per-cluster metrics need it)."""
+        return bool((self.true_cluster >= 0).all())
+
+    @property
+    def is_ragged(self) -> bool:
+        """Whether some client holds fewer rows than the padded tensors have."""
+        return self.train_count is not None or self.test_count is not None
+
+    @property
+    def train_sizes(self) -> torch.Tensor:
+        """[N] int64: each client's real train sample count (n_i of the papers)."""
+        return sizes(self.train_count, self.y_train)
+
+    @property
+    def test_sizes(self) -> torch.Tensor:
+        """[N] int64: each client's real test sample count."""
+        return sizes(self.test_count, self.y_test)
+
+    @property
+    def train_mask(self) -> torch.Tensor | None:
+        """[N, n_train] bool: True at a client's real train samples; None when every client is full."""
+        return rows_mask(self.train_count, self.y_train)
+
+    @property
+    def test_mask(self) -> torch.Tensor | None:
+        """[N, n_test] bool: True at a client's real test samples; None when every client is full."""
+        return rows_mask(self.test_count, self.y_test)
+
+    def name_of(self, client: int) -> str:
+        """Client `client`'s id: its folder name, or its index."""
+        return self.client_names[client] if self.client_names else str(client)
+
     def subset(self, clients: Sequence[int]) -> FederatedData:
         """The same data restricted to `clients` (in the given order)."""
-        index = torch.as_tensor(list(clients), dtype=torch.long, device=self.x_train.device)
-        return self._map(lambda t: t[index])
+        chosen = list(clients)
+        index = torch.as_tensor(chosen, dtype=torch.long, device=self.x_train.device)
+        names = tuple(self.client_names[i] for i in chosen) if self.client_names else ()
+        return self._map(lambda t: t[index], names)
 
     def to(self, device: torch.device | str) -> FederatedData:
         """The same data on `device` (itself when it is there already)."""
         if self.x_train.device == torch.device(device):
             return self
-        return self._map(lambda t: t.to(device))
+        return self._map(lambda t: t.to(device), self.client_names)
 
-    def _map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> FederatedData:
+    def _map(self, f: Callable[[torch.Tensor], torch.Tensor], client_names: tuple[str, ...]) -> FederatedData:
         def each(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else f(t)
 
@@ -72,4 +121,19 @@ class FederatedData:
             train_distribution=each(self.train_distribution),
             test_distribution=each(self.test_distribution),
             rotations=self.rotations,
+            train_count=each(self.train_count),
+            test_count=each(self.test_count),
+            client_names=client_names,
         )
+
+
+def sizes(count: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+    if count is not None:
+        return count
+    return torch.full((labels.shape[0],), labels.shape[1], dtype=torch.long, device=labels.device)
+
+
+def rows_mask(count: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor | None:
+    if count is None:
+        return None
+    return torch.arange(labels.shape[1], device=labels.device).unsqueeze(0) < count.unsqueeze(1)
