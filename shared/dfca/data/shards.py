@@ -137,3 +137,31 @@ def rows_mask(count: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor 
     if count is None:
         return None
     return torch.arange(labels.shape[1], device=labels.device).unsqueeze(0) < count.unsqueeze(1)
+
+
+def from_clients(
+    train: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    test: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    true_cluster: torch.Tensor,
+    num_classes: int,
+    client_names: Sequence[str] = (),
+) -> FederatedData:
+    """A federation from each client's own (x, y) train and test sets, of any sizes: padded and counted."""
+    x_train, train_count = padded([x for x, _ in train])
+    y_train, _ = padded([y for _, y in train])
+    x_test, test_count = padded([x for x, _ in test])
+    y_test, _ = padded([y for _, y in test])
+    return FederatedData(
+        x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test, true_cluster=true_cluster,
+        num_classes=num_classes, train_count=train_count, test_count=test_count, client_names=tuple(client_names),
+    )
+
+
+def padded(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[N, max n, ...] with zeros after each part's rows, and the row counts (None when all are equal)."""
+    counts = torch.tensor([len(p) for p in parts], dtype=torch.long)
+    longest = int(counts.max())
+    out = parts[0].new_zeros((len(parts), longest, *parts[0].shape[1:]))
+    for i, part in enumerate(parts):
+        out[i, : len(part)] = part
+    return out, None if bool((counts == longest).all()) else counts
