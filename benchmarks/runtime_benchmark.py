@@ -276,6 +276,9 @@ class RuntimeProfile(NamedTuple):
     phases_cpu: dict[str, float]  # each phase's CPU seconds per round in the workers' round loops, summed over the
     #                               workers (DriverStats.cpu_seconds; `loop`: the round loops' threads in all)
     services: dict[str, float]  # CPU seconds per round of each other service (topology, metrics)
+    deliveries: dict[str, float]  # per worker and round, mean over the workers: `delivered` (the broker's deliveries
+    #                               to the worker's queue), `applied` ((receiver, message) pairs folded), `needed` (the
+    #                               distinct messages of senders hosted elsewhere that the worker's clients hear)
 
 
 def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
@@ -299,7 +302,13 @@ def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_us
         a, b = first[worker], last[worker]
         return (b.stats.get(key, {}).get(phase, 0.0) - a.stats.get(key, {}).get(phase, 0.0)) / (b.round - a.round)
 
+    def count_per_round(key: str, worker: int) -> float:  # a worker's cumulative count, per steady round
+        a, b = first[worker], last[worker]
+        return (b.stats.get(key, 0) - a.stats.get(key, 0)) / (b.round - a.round)
+
     phases = {p: statistics.mean(per_round("seconds", p, w) for w in last) for p in PHASES}
+    deliveries = {key: statistics.mean(count_per_round(key, w) for w in last) for key in ("delivered", "applied")}
+    deliveries["needed"] = needed_deliveries(cfg, {w: count_per_round("published", w) for w in last})
     phases_cpu = {p: sum(per_round("cpu_seconds", p, w) for w in last) for p in (*PHASES, "loop")}
     groups = {name: seconds / (len(rounds) - 1)
               for name, seconds in cpu[0].between(done_at[rounds[0]], done_at[rounds[-1]]).items()}
@@ -309,7 +318,23 @@ def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_us
                                [(r - 1, done_at[r] - done_at[before])  # schedule's round r - 1
                                 for before, r in zip(rounds, rounds[1:], strict=False)])
     return RuntimeProfile((done_at[rounds[-1]] - done_at[rounds[0]]) / (len(rounds) - 1), summary["test_accuracy"],
-                          phases, cpu_per_round, by_phase, phases_cpu, services)
+                          phases, cpu_per_round, by_phase, phases_cpu, services, deliveries)
+
+
+def needed_deliveries(cfg: dict[str, Any], published: dict[int, float]) -> float:
+    """The distinct messages a worker needs a round, mean over the workers: each sender hosted on another worker that
+    one of its clients neighbours sends it every message it publishes (`published`: each worker's messages a round,
+    spread evenly over its clients)."""
+    config = ExperimentConfig.model_validate(cfg)
+    graph = neighbours(build_graph(config.topology, config.data.clients, config.seed))
+    workers = len(published)
+    hosted = sharding.assignment(config.data.clients, workers)
+    per_sender = {c: published[w] / len(clients) for w, clients in hosted.items() for c in clients}
+    needed = []
+    for w, clients in hosted.items():
+        heard = {m for c in clients for m in graph.get(c, ())} - set(clients)
+        needed.append(sum(per_sender[m] for m in heard))
+    return statistics.mean(needed)
 
 
 def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
@@ -642,6 +667,7 @@ def main() -> None:
             profile = runtime_profile(cfg, args.broker, Path(tmp))
         run_s, run_acc, phases, cpu, by_phase = (profile.seconds, profile.accuracy, profile.phases, profile.cpu,
                                                  profile.by_kind)
+        record["deliveries_per_worker_round"] = profile.deliveries
         alone = drivers_floor(cfg)
         with one_thread():
             sim1 = simulator_round_seconds(cfg, repeats=1)
@@ -708,6 +734,10 @@ def main() -> None:
               f"{sum(cpu.values()):.3f} = {sum(cpu.values()) / sim_cpu:.2f}x the simulator's, on "
               f"{os.cpu_count()} cores")
     floor, loops = record.get("drivers_floor"), record.get("phases_cpu")
+    if (deliveries := record.get("deliveries_per_worker_round")) is not None:
+        print(f"\nper worker and round (mean over the 3 workers): {deliveries['delivered']:.1f} deliveries from the "
+              f"broker for {deliveries['needed']:.1f} distinct messages its clients need from other workers; "
+              f"{deliveries['applied']:.1f} (receiver, message) pairs folded")
     if floor is not None and loops is not None:
         print("\nwhere the CPU goes (CPU-s per round, summed over the 3 workers; the drivers alone: the same 3 drivers "
               "in one thread, below):\n")

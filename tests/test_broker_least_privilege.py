@@ -28,7 +28,7 @@ from runtime_fixtures import Api, rotated_mnist, running_stack, total_rounds
 
 from dfca.config import ExperimentConfig
 from dfca.identity import principals, topics
-from dfca.identity.broker_setup import ensure_broker_topology
+from dfca.identity.broker_setup import VHOST, ensure_broker_topology
 from dfca.identity.broker_users import (
     definitions,
     permissions_of,
@@ -60,13 +60,15 @@ def test_each_principal_may_touch_its_own_names_and_no_one_elses() -> None:
     own_queues = [topics.worker_queue(exp, "worker-0"), topics.worker_control_queue(dep, 0)]
     others = [topics.worker_queue(exp, "worker-1"), topics.worker_control_queue(dep, 1),
               topics.server_queue(exp), topics.events_queue(dep, "topology"), topics.DEAD_LETTER_QUEUE]
-    for queue in own_queues:
-        assert all(allowed(r, queue) for r in (w0.configure, w0.write, w0.read)), queue
+    for queue in own_queues:  # consumed, never declared, deleted or bound (binding needs write on the queue)
+        assert allowed(w0.read, queue) and not allowed(w0.configure, queue) and not allowed(w0.write, queue), queue
     for queue in others:
         assert not any(allowed(r, queue) for r in (w0.configure, w0.write, w0.read)), queue
-    for exchange in topics.EXCHANGES:  # no worker declares or deletes an exchange
-        assert not allowed(w0.configure, exchange)
+    for exchange in topics.EXCHANGES:  # no worker declares, deletes or binds from an exchange
+        assert not allowed(w0.configure, exchange) and not allowed(w0.read, exchange), exchange
     assert not allowed(w0.write, topics.CONTROL_EXCHANGE) and allowed(w0.write, topics.MODELS_EXCHANGE)
+    assert not allowed(w0.write, topics.DEAD_LETTER_EXCHANGE)
+    assert w0.configure == "^$"  # no queue of any name
     models_write = w1.topics[topics.MODELS_EXCHANGE][0]
     assert allowed(models_write, topics.model_key(exp, "worker-1", 4, 0))
     assert not allowed(models_write, topics.model_key(exp, "worker-0", 3, 0))
@@ -79,8 +81,10 @@ def test_each_principal_may_touch_its_own_names_and_no_one_elses() -> None:
                    topics.metrics_key(dep, exp, "experiment"))
     topology = permissions_of(principals.TOPOLOGY)
     assert allowed(topology.write, topics.CONTROL_EXCHANGE) and not allowed(topology.write, topics.MODELS_EXCHANGE)
-    anyones = (topics.worker_queue(exp, "worker-1"), topics.server_queue(exp), topics.events_queue(dep, "topology"))
-    assert all(allowed(topology.configure, q) for q in anyones)
+    anyones = (topics.worker_queue(exp, "worker-1"), topics.server_queue(exp), topics.events_queue(dep, "topology"),
+               topics.worker_control_queue(dep, 12))
+    assert all(allowed(topology.configure, q) and allowed(topology.write, q) for q in anyones)
+    assert allowed(topology.read, topics.CONTROL_EXCHANGE) and allowed(topology.read, topics.MODELS_EXCHANGE)
     metrics = permissions_of(principals.METRICS)
     assert not allowed(metrics.write, topics.METRICS_EXCHANGE) and allowed(metrics.read, topics.METRICS_EXCHANGE)
     aggregator = permissions_of(principals.AGGREGATOR)
@@ -146,8 +150,9 @@ def as_worker_1(principal_urls: dict[str, str]) -> Iterator[RabbitMQTransport]:
 pytestmark = [pytest.mark.rabbitmq]
 
 
-def test_the_broker_refuses_what_a_worker_may_not_do(principal_urls: dict[str, str],
+def test_the_broker_refuses_what_a_worker_may_not_do(principal_node: tuple[RabbitMQNode, dict[str, str]],
                                                      as_worker_1: RabbitMQTransport, unique_id: str) -> None:
+    principal_urls = principal_node[1]
     with RabbitMQTransport(principal_urls["topology"], name="topology") as topology:
         ensure_broker_topology(topology)  # the topology service's user declares exchanges and any worker's queue
         theirs = topics.worker_queue(unique_id, "worker-0")
@@ -174,13 +179,41 @@ def test_the_broker_refuses_what_a_worker_may_not_do(principal_urls: dict[str, s
     refused(lambda: forger.delete_queue(theirs))
     refused(lambda: forger.declare_queue(topics.worker_queue(unique_id + "b", "worker-0")))
     refused(lambda: forger.declare_exchange("dfca.mine"))
+    # a queue under its own name for an experiment of its choosing, to bind to every key: no queue of any name, and
+    # no binding of any queue, not even its own (the topology service makes a worker's bindings)
+    mine = topics.worker_queue(unique_id + "x", "worker-1")
+    refused(lambda: forger.declare_queue(mine, topics.DEAD_LETTER_EXCHANGE, topics.MODEL_QUEUE_LIMITS))
+    refused(lambda: forger.declare_queue(topics.worker_control_queue("d0", 1), topics.DEAD_LETTER_EXCHANGE,
+                                         topics.SERVICE_QUEUE_LIMITS))
+    own = topics.worker_queue(unique_id, "worker-1")
+    with RabbitMQTransport(principal_urls["topology"], name="topology") as topology:
+        topology.declare_queue(own, topics.DEAD_LETTER_EXCHANGE, topics.MODEL_QUEUE_LIMITS)
+    for exchange, key in ((topics.MODELS_EXCHANGE, topics.experiment_binding(unique_id)),
+                          (topics.MODELS_EXCHANGE, topics.ALL_KEYS), (topics.CONTROL_EXCHANGE, topics.ALL_KEYS),
+                          (topics.MODELS_EXCHANGE, topics.neighbour_binding(unique_id, 0))):
+        refused(lambda exchange=exchange, key=key: forger.bind(own, exchange, key))
+    refused(lambda: forger.delete_queue(own))
+    # the dead-letter exchange: only the broker dead-letters
+    refused(lambda: forger.publish(topics.DEAD_LETTER_EXCHANGE, topics.model_key(unique_id, "worker-1", 1, 0), b""))
     # its own client's model is accepted, and arrives with the broker-proven publisher
     forger.publish(topics.MODELS_EXCHANGE, topics.model_key(unique_id, "worker-1", 1, 0), b"mine")
     with RabbitMQTransport(principal_urls["worker-0"], name="worker-0") as worker_0:
         message = worker_0.receive(theirs, 10.0)
         assert message is not None and message.body == b"mine" and message.publisher == "dfca-worker-1"
-        worker_0.ack(message)
-        worker_0.delete_queue(theirs)
+        worker_0.reject(message)  # dead-lettered by the broker: a worker needs no right on the dead-letter exchange
+    with RabbitMQTransport(principal_urls["topology"], name="topology") as topology:
+        dead = topology.receive(topics.DEAD_LETTER_QUEUE, 10.0)
+        while dead is not None and dead.body != b"mine":  # an earlier test's dead letters
+            topology.ack(dead)
+            dead = topology.receive(topics.DEAD_LETTER_QUEUE, 10.0)
+        assert dead is not None and dead.publisher == "dfca-worker-1"
+        topology.ack(dead)
+        # every queue a worker can read has a length, a size and an expiry
+        listed = principal_node[0].ctl("list_queues", "-p", VHOST, "name", "arguments", "--no-table-headers")
+        arguments = {line.split("\t")[0]: line for line in listed.stdout.splitlines()}
+        for queue in (theirs, own):
+            assert all(limit in arguments[queue] for limit in ("x-max-length", "x-max-length-bytes", "x-expires"))
+            topology.delete_queue(queue)
     # a user_id that is not the publisher's own: the broker closes the channel (406 PRECONDITION_FAILED)
     connection = pika.BlockingConnection(pika.URLParameters(principal_urls["worker-1"]))
     try:

@@ -4,24 +4,30 @@ Resource permissions (RabbitMQ's configure / write / read regular expressions ov
 and topic permissions (over routing keys on a topic exchange), derived from the names in dfca.identity.topics:
 
 - topology: publishes control (any key) and `<exp>.experiment` events; consumes its events queue; declares
-  the exchanges, the dead-letter queue, every worker's queue (edges added during a run, deletion at the end)
-  and the server queues.
+  the exchanges, the dead-letter queue, the server queues and every worker's queues, and makes their bindings:
+  each worker's queue of models (topics.worker_queue) bound to whom its clients hear, at an experiment's start and
+  for edges added during a run, deleted at its end; each worker's control queue bound to the deployment's commands.
 - metrics: publishes nothing; consumes and declares its events queue and its dead-letter tap.
 - aggregator: publishes models keyed `<exp>.aggregator.server.<part>` and its presence; consumes and
   declares its control queue and the server queues.
 - worker-i: publishes models keyed `<exp>.worker-i.<client>.<part>`, its events and presence (not an
-  experiment's status); consumes and declares its control queue and its queue of models (topics.worker_queue).
+  experiment's status); consumes its control queue and its queues of models. Nothing else: no configure right at
+  all (it declares, deletes and binds no queue: binding needs write on the queue and read on the exchange, and it
+  has neither), no write on the dead-letter exchange or on any queue, no read on any exchange.
 
 So a worker's credentials cannot publish a control command (no write on `dfca.control`), a model under another
-worker's host word, or an experiment's status; cannot consume, delete or redeclare another worker's queues
-or the server's queue; and cannot declare or delete exchanges. The broker also refuses a message whose `user_id`
-is not its publisher's user, so receivers know who published what (`Message.publisher`).
+worker's host word, an experiment's status or a dead letter; cannot declare a queue (of any name: `dfca.<anything>.
+worker-i.inbox` included), bind one to any key, or consume, delete or redeclare another worker's queues or the
+server's queue; and cannot declare or delete exchanges. Every queue it can read was declared by the topology service
+with length, bytes and expiry limits (topics.MODEL_QUEUE_LIMITS, topics.SERVICE_QUEUE_LIMITS). The broker also
+refuses a message whose `user_id` is not its publisher's user, so receivers know who published what
+(`Message.publisher`).
 
 What these permissions cannot express (and receivers check instead): that client c is hosted by worker
 c % workers (the message driver rejects a model whose host word is not its sender's host); that a worker's
-event is about that worker (topology and metrics reject an event published by another principal). Binding
-keys are not restricted: a worker can still bind its own queues to any model key of an experiment and read
-models it has no edge to.
+event is about that worker (topology and metrics reject an event published by another principal). Which keys a
+worker's queue may be bound to (its clients' neighbours, a graph that changes during a run) is no permission either:
+the topology service makes every binding, from the experiment's graph.
 
 Command line:
     python -m dfca.identity.broker_users create --workers 3 --out .dfca/broker-users.json   # rabbitmqctl on this
@@ -87,6 +93,8 @@ def worker_queues(host: str) -> str:
 
 SERVER_QUEUES = rf"dfca\.{WORD}\.server"  # topics.server_queue
 ALL_WORKER_QUEUES = rf"dfca\.{WORD}\.worker-{NUMBER}\.inbox"
+ALL_WORKER_CONTROL_QUEUES = (re.escape(topics.worker_control_queue("DEPLOYMENTWORD", 0))
+                             .replace("DEPLOYMENTWORD", WORD).removesuffix("0") + NUMBER)
 EXCHANGES = tuple(_exact(name) for name in topics.EXCHANGES)
 MODELS, CONTROL, EVENTS, DLX = (_exact(topics.MODELS_EXCHANGE), _exact(topics.CONTROL_EXCHANGE),
                                 _exact(topics.METRICS_EXCHANGE), _exact(topics.DEAD_LETTER_EXCHANGE))
@@ -126,11 +134,11 @@ def worker_event_keys(ordinal: int) -> str:
 def permissions_of(principal: str) -> Permissions:
     if principal == principals.TOPOLOGY:
         own = _own_queue("events-topology")
-        queues = (own, ALL_WORKER_QUEUES, SERVER_QUEUES, _exact(topics.DEAD_LETTER_QUEUE))
+        queues = (own, ALL_WORKER_QUEUES, ALL_WORKER_CONTROL_QUEUES, SERVER_QUEUES, _exact(topics.DEAD_LETTER_QUEUE))
         return Permissions(
             configure=_any(*EXCHANGES, *queues),
             write=_any(CONTROL, EVENTS, DLX, *queues),
-            read=_any(MODELS, EVENTS, DLX, *queues),
+            read=_any(MODELS, CONTROL, EVENTS, DLX, *queues),
             topics={topics.METRICS_EXCHANGE: (_any(*event_keys("experiment")), ANY_KEY),
                     topics.MODELS_EXCHANGE: (NOTHING, ANY_KEY)})
     if principal == principals.METRICS:
@@ -151,8 +159,8 @@ def permissions_of(principal: str) -> Permissions:
     ordinal = int(match.group(1))
     own = (_worker_control_queue(ordinal), worker_queues(principal))
     model_keys = rf"{WORD}\.{re.escape(principal)}\.{NUMBER}\.{NUMBER}"
-    return Permissions(
-        configure=_any(*own), write=_any(MODELS, EVENTS, DLX, *own), read=_any(MODELS, CONTROL, *own),
+    return Permissions(  # consume its own queues, publish models and events: nothing to configure or bind
+        configure=NOTHING, write=_any(MODELS, EVENTS), read=_any(*own),
         topics={topics.MODELS_EXCHANGE: (_any(model_keys), ANY_KEY),
                 topics.METRICS_EXCHANGE: (worker_event_keys(ordinal), ANY_KEY)})
 

@@ -6,9 +6,11 @@ Algorithm messages go to the topic exchange `dfca.models` with the routing key
 `dfca.identity.principals`), so a broker topic permission can let a worker publish only its own clients' keys.
 A worker has one queue per experiment (`dfca.<experiment_id>.<host>.inbox`, named after the worker so that
 its permissions cover only its own queues), bound to `<experiment_id>.*.<neighbour_id>.*` for every current
-neighbour of any client it hosts (and to `<experiment_id>.aggregator.server.*` when its algorithm has a
-server), so routing is keyed by sender and cluster id: the broker delivers each message to a worker once,
-and the worker's message driver hands it to every hosted client that neighbours its sender.
+neighbour of any client it hosts that is hosted elsewhere (and to `<experiment_id>.aggregator.server.*` when its
+algorithm has a server; `inbox_binding_keys`), so routing is keyed by sender and cluster id: the broker delivers
+each message to a worker once, and the worker's message driver hands it to every hosted client that neighbours its
+sender. Under per-principal broker users the topology service declares and binds the workers' queues (a worker
+may only consume them: dfca.identity.broker_users).
 
 Control commands (`dfca.control`) and events (`dfca.metrics`) are keyed `<deployment>.<experiment_id>.<kind>`
 (presence: `<deployment>.presence`), and each service's queue is bound to `<deployment>.#` only.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from dfca.identity import principals
@@ -118,6 +121,13 @@ def experiment_binding(experiment: str) -> str:
 def worker_queue(experiment: str, host: str) -> str:
     """The queue of the models that reach the clients hosted by principal `host` (`principals.host_of`)."""
     return f"dfca.{check_word(experiment, 'experiment id')}.{check_word(host, 'host')}.inbox"
+
+
+def inbox_binding_keys(experiment: str, heard: Iterable[int], hears_server: bool) -> list[str]:
+    """The keys a worker's queue (`worker_queue`) is bound to: every sender hosted elsewhere that one of its clients
+    neighbours (`heard`), and the aggregator's when the algorithm's clients hear a server."""
+    keys = [neighbour_binding(experiment, m) for m in sorted(heard)]
+    return [*keys, server_binding(experiment)] if hears_server else keys
 
 
 def server_queue(experiment: str) -> str:

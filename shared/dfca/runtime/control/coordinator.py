@@ -18,17 +18,17 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from dfca.algorithms import has_central_role
+from dfca.algorithms import algorithm_class, has_central_role
 from dfca.config import ExperimentConfig
 from dfca.graph import build_graph
 from dfca.identity import topics
 from dfca.identity.broker_setup import bind_to_deployment, ensure_broker_topology
 from dfca.identity.principals import host_of, worker
-from dfca.identity.topics import events_queue
+from dfca.identity.topics import events_queue, worker_control_queue
 from dfca.models.factory import ModelFactoryError, allowed_factories, check_config_model
 from dfca.runtime.control.experiments import DONE_STATES, HEARTBEAT_S, RUNTIME_ALGORITHMS, ExperimentRecord
 from dfca.runtime.protocol.messages import (
@@ -46,7 +46,7 @@ from dfca.runtime.protocol.messages import (
     event_principal,
 )
 from dfca.runtime.service.event_consumer import QueueConsumer
-from dfca.transport import Transport
+from dfca.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,15 @@ def experiment_id(cfg: ExperimentConfig) -> str:
     return topics.experiment_id(cfg.name, uuid.uuid4().hex[:topics.EXPERIMENT_SUFFIX])
 
 
+def heard_by_host(neighbours: Mapping[int, Iterable[int]], workers: int) -> dict[str, set[int]]:
+    """Per worker (its principal), the clients hosted elsewhere that one of its clients neighbours in `neighbours`."""
+    heard: dict[str, set[int]] = {}
+    for client, ms in neighbours.items():
+        host = host_of(client, workers)
+        heard.setdefault(host, set()).update(m for m in ms if host_of(m, workers) != host)
+    return heard
+
+
 class Coordinator:
     """`workers`: how many workers the deployment runs (DFCA_WORKERS); None learns it from the workers'
     presence announcements, and without any, uses the config's `runtime.workers`."""
@@ -96,6 +105,7 @@ class Coordinator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.consumer: QueueConsumer | None = None
+        self._control_queues: set[int] = set()  # the ordinals whose control queue this process declared
         self._load()
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -106,6 +116,7 @@ class Coordinator:
         self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.SERVICE_QUEUE_LIMITS)
         bind_to_deployment(self.transport, queue, topics.METRICS_EXCHANGE, self.deployment)
         self.consumer = QueueConsumer(self.transport, queue, decode_event, self.on_event, event_principal)
+        self._declare_control_queues(range(self.workers or 0))
         self._thread = threading.Thread(target=self._loop, name="coordinator", daemon=True)
         self._thread.start()
 
@@ -208,6 +219,8 @@ class Coordinator:
             record.start(self.clock())
             if has_central_role(record.config.algorithm):
                 self._declare_server_queue(record)
+            self._declare_control_queues(range(record.workers))
+            self._declare_worker_queues(record)
             self._control(StartCommand(deployment=self.deployment, experiment=record.id, config=record.config,
                                        workers=record.workers, neighbours=record.neighbours(),
                                        topology_version=record.topology_version))
@@ -267,16 +280,35 @@ class Coordinator:
         for client in range(record.num_clients):
             self.transport.bind(queue, topics.MODELS_EXCHANGE, topics.neighbour_binding(record.id, client))
 
+    def _declare_control_queues(self, ordinals: Iterable[int]) -> None:
+        """The control queues of these workers, bound to this deployment's commands: under per-principal users a worker
+        may only consume its own (dfca.identity.broker_users), so this service declares and binds it."""
+        for ordinal in ordinals:
+            if ordinal in self._control_queues:
+                continue
+            queue = worker_control_queue(self.deployment, ordinal)
+            self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.SERVICE_QUEUE_LIMITS)
+            bind_to_deployment(self.transport, queue, topics.CONTROL_EXCHANGE, self.deployment)
+            self._control_queues.add(ordinal)
+
+    def _declare_worker_queues(self, record: ExperimentRecord) -> None:
+        """Each worker's queue of models, declared and bound to whom its clients hear (topics.inbox_binding_keys)
+        before any worker is told to start: under per-principal users a worker may only consume it."""
+        links = algorithm_class(record.config.algorithm).links
+        heard = heard_by_host(record.neighbours(), record.workers) if "neighbours" in links else {}
+        for ordinal in range(record.workers):
+            queue = topics.worker_queue(record.id, worker(ordinal))
+            self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.MODEL_QUEUE_LIMITS)
+            for key in topics.inbox_binding_keys(record.id, heard.get(worker(ordinal), ()), "server" in links):
+                self.transport.bind(queue, topics.MODELS_EXCHANGE, key)
+
     def _bind_new_edges(self, record: ExperimentRecord, before: dict[int, list[int]],
                         after: dict[int, list[int]]) -> None:
         """Bind each worker's queue to the clients hosted elsewhere that its clients newly neighbour, before any worker
         switches to the new graph, so that nothing a new neighbour sends from the effective round on is lost (a
-        worker delivers its own clients' messages itself)."""
-        heard: dict[str, set[int]] = {}
-        for client, neighbours in after.items():
-            host = host_of(client, record.workers)
-            heard.setdefault(host, set()).update(m for m in set(neighbours) - set(before[client])
-                                                 if host_of(m, record.workers) != host)
+        worker delivers its own clients' messages itself). A removed edge's binding stays (what it delivers is
+        acknowledged unused) where the worker may not unbind it; a worker whose user may unbinds it itself."""
+        heard = heard_by_host({c: set(ms) - set(before[c]) for c, ms in after.items()}, record.workers)
         for host, new in heard.items():
             queue = topics.worker_queue(record.id, host)
             if new:
@@ -298,6 +330,11 @@ class Coordinator:
                 self.aggregator_seen = self.clock()
             else:
                 self.presence[event.worker] = (event.workers, self.clock())
+                if event.worker < event.workers:
+                    try:
+                        self._declare_control_queues([event.worker])
+                    except TransportError as err:  # its next presence tries again
+                        log.warning("could not declare worker %d's control queue: %s", event.worker, err)
             return
         with self.lock:
             record = self.records.get(event.experiment)

@@ -28,6 +28,7 @@ LOGGED_REJECTIONS_PER_ROUND = 10
 @dataclass
 class DriverStats:
     published: int = 0
+    delivered: int = 0  # messages the broker delivered to the driver's queue (one a message however many rows hear it)
     applied: int = 0  # (receiver, message) pairs the algorithm used
     ignored: int = 0  # delivered, but of no use to the algorithm (FedSPD: another cluster)
     duplicates: int = 0

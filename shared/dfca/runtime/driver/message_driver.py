@@ -40,12 +40,13 @@ KEEP_GOING_EVERY_S = 0.25  # how often a waiting driver asks whether to go on
 class MessageDriver:
     def __init__(self, algorithm: Algorithm, experiment: str, transport: Transport,
                  keep_going: Callable[[], bool] | None = None, workers: int = 1, queue: str | None = None,
-                 confirm_later: bool = False) -> None:
+                 confirm_later: bool = False, binds_queue: bool = True) -> None:
         """`workers`: how many workers share the experiment's clients (client c on worker c % workers). `queue`: the
         driver's queue, by default its worker's (topics.worker_queue) or the central role's; lockstep setups whose
         drivers do not split the clients as c % workers name one each. `confirm_later`: a round ends without
         awaiting its messages' confirms; `take_confirmation` gives what awaits them (a worker's checkpoint writer
-        calls it before the round's checkpoint is written)."""
+        calls it before the round's checkpoint is written). `binds_queue`: the driver declares and binds its queue
+        itself; False where its broker user may not and the topology service does (runtime.driver.bindings)."""
         self.algorithm, self.transport, self.keep_going = algorithm, transport, keep_going
         self.confirm_later = confirm_later
         self.unconfirmed: Callable[[], None] | None = None  # the last round's confirms, under confirm_later
@@ -58,7 +59,7 @@ class MessageDriver:
         self.ledger: Ledger[Delivery] = Ledger(self.side, self.cfg.runtime.staleness, time.monotonic)
         self.queue = queue or (topics.server_queue(experiment) if self.side == "server"
                                else topics.worker_queue(experiment, self.admission.host_of(self.ids[0])))
-        self.bindings = QueueBindings(transport, self.queue, self.experiment)
+        self.bindings = QueueBindings(transport, self.queue, self.experiment, binds_queue)
         self.model_dtype = PAYLOAD_DTYPES[self.cfg.runtime.payload_dtype]
         self.round, self.index, self.rounds_done = -1, -1, 0
         self.exchanges: list[Exchange] = []
@@ -229,6 +230,7 @@ class MessageDriver:
     def _take(self, arrived: list[Message]) -> None:
         """handle_many, but what is ready for the open exchange is folded when due: at most one fold's worth of
         distinct messages is held decoded for it at once, those being decoded (together) included."""
+        self.stats.delivered += len(arrived)
         with self.stats.timed("receive"):
             pending = arrived
             while pending:

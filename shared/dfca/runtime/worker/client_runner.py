@@ -37,6 +37,7 @@ from dfca.config import ExperimentConfig
 from dfca.data import FederatedData, build_federated_data
 from dfca.devices import device_name, worker_device
 from dfca.heap import keep_freed_memory
+from dfca.identity.principals import principal_of_user
 from dfca.identity.sharding import clients_of as hosted_clients
 from dfca.models.build import model_from_config
 from dfca.models.factory import allowed_factories
@@ -241,7 +242,7 @@ class ClientRunner:
                                   f"worker {spec.ordinal}'s {len(spec.clients)} clients", str(self.device))
             ctx = HostContext(cfg, model, data, spec.clients, self._graph, self.device)
             driver = MessageDriver(clients_of(ctx), spec.experiment, transport, self._keep_going, workers=spec.workers,
-                                   confirm_later=True)
+                                   confirm_later=True, binds_queue=principal_of_user(transport.user) is None)
             self.driver = driver
             driver.setup()
             next_round = 0
@@ -286,10 +287,12 @@ class ClientRunner:
 
     def _leave(self, driver: MessageDriver, transport: HostTransport) -> None:
         """The experiment is over: delete this worker's queue (a reconnect may have declared it again after the
-        topology service deleted it) and its checkpoint."""
+        topology service deleted it; a queue the topology service declared is its own to delete) and its
+        checkpoint."""
         self.writer.wait_quietly()  # a write in flight would put the checkpoint back
         try:
-            transport.delete_queue(driver.queue)
+            if driver.bindings.managed:
+                transport.delete_queue(driver.queue)
         except TransportError as err:
             log.debug("could not delete %s: %s", driver.queue, err)
         self.checkpoint.unlink(missing_ok=True)

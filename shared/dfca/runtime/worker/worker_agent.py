@@ -1,7 +1,8 @@
 """One worker process: its runners (one per experiment), its control queue and its heartbeats.
 
 The worker with ordinal w hosts clients c with c % workers == w of every experiment. It learns of
-experiments from control commands on `dfca.control` (its own queue, bound to every key) and, when
+experiments from control commands on `dfca.control` (its own queue, bound to its deployment's keys; the topology
+service declares and binds it where the worker's broker user may not) and, when
 it starts, from the topology service's REST API: a restarted worker asks which experiments are
 running and rejoins them from its checkpoints. Commands name their deployment; others are ignored.
 """
@@ -19,6 +20,7 @@ import httpx
 from dfca.config import ExperimentConfig
 from dfca.identity import topics
 from dfca.identity.broker_setup import bind_to_deployment, ensure_broker_topology
+from dfca.identity.principals import principal_of_user
 from dfca.identity.topics import worker_control_queue
 from dfca.runtime.control.experiments import HEARTBEAT_S
 from dfca.runtime.protocol.messages import (
@@ -39,7 +41,7 @@ from dfca.runtime.service.event_consumer import QueueConsumer
 from dfca.runtime.service.registration import known_to_topology
 from dfca.runtime.worker.client_runner import ClientRunner, RunSpec
 from dfca.settings import service_auth
-from dfca.transport import Transport
+from dfca.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +82,10 @@ class WorkerAgent:
         self._http = httpx.Client(timeout=5.0, headers=service_auth())
 
     def start(self) -> None:
-        ensure_broker_topology(self.transport)
-        self.transport.declare_queue(self.queue, topics.DEAD_LETTER_EXCHANGE, topics.SERVICE_QUEUE_LIMITS)
-        bind_to_deployment(self.transport, self.queue, topics.CONTROL_EXCHANGE, self.deployment)
+        if principal_of_user(self.transport.user) is None:  # a shared user; else the topology service declares the
+            ensure_broker_topology(self.transport)  # control queue and binds it (a worker's own user may not)
+            self.transport.declare_queue(self.queue, topics.DEAD_LETTER_EXCHANGE, topics.SERVICE_QUEUE_LIMITS)
+            bind_to_deployment(self.transport, self.queue, topics.CONTROL_EXCHANGE, self.deployment)
         for name, target in (("control", self._control_loop), ("heartbeat", self._heartbeat_loop),
                              ("recover", self._recover_loop)):
             thread = threading.Thread(target=target, name=f"worker-{name}", daemon=True)
@@ -149,6 +152,18 @@ class WorkerAgent:
 
     # -- threads ------------------------------------------------------------------------------------------
     def _control_loop(self) -> None:
+        waiting = False
+        while not self.stopping.is_set():  # until the topology service has declared the queue (it hears our presence)
+            try:
+                self.consumer.poll(0.5)
+                break
+            except TransportError as err:
+                if "404" not in str(err):
+                    break  # run_forever retries
+                if not waiting:
+                    log.info("waiting for the topology service to declare %s", self.queue)
+                    waiting = True
+                self.stopping.wait(0.5)
         self.consumer.run_forever(self.stopping)
 
     def _heartbeat_loop(self) -> None:
