@@ -331,7 +331,7 @@ def needed_deliveries(cfg: dict[str, Any], published: dict[int, float]) -> float
     hosted = sharding.assignment(config.data.clients, workers)
     per_sender = {c: published[w] / len(clients) for w, clients in hosted.items() for c in clients}
     needed = []
-    for w, clients in hosted.items():
+    for clients in hosted.values():
         heard = {m for c in clients for m in graph.get(c, ())} - set(clients)
         needed.append(sum(per_sender[m] for m in heard))
     return statistics.mean(needed)
