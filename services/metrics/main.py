@@ -29,6 +29,7 @@ from dfca.identity.broker_setup import bind_to_deployment, ensure_broker_topolog
 from dfca.identity.topics import dead_letter_tap_queue, deployment_tag, events_queue
 from dfca.runtime.control.experiments import EventRefused, check_round
 from dfca.runtime.metrics.dashboard import add_dashboard
+from dfca.runtime.metrics.dead_letters import DeadLetter, charged_experiment
 from dfca.runtime.metrics.experiment_results import NoResults, model_files, plot_files
 from dfca.runtime.metrics.metrics_store import MetricsStore
 from dfca.runtime.metrics.prometheus_export import RuntimeCollector
@@ -128,7 +129,8 @@ class MetricsCollector:
         if not taken:
             return
         exchanges = [str(m.headers.get("x-first-death-exchange", m.exchange)) for m in taken]
-        self.store.record_dead_letters([(topics.experiment_of_key(exchange, m.routing_key), exchange, m.routing_key)
+        self.store.record_dead_letters([DeadLetter(charged_experiment(exchange, m.routing_key, m.publisher), exchange,
+                                                   m.routing_key, m.publisher)
                                         for m, exchange in zip(taken, exchanges, strict=True)])
         for message in taken:
             self.transport.ack(message)

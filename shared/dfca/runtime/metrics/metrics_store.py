@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from dfca.config import ExperimentConfig
+from dfca.runtime.metrics.dead_letters import ROWS_PER_EXPERIMENT, DeadLetter
 from dfca.runtime.protocol.messages import ExperimentEvent, FinalModelsShare, RoundReport, WorkerEvent
 
 
@@ -88,7 +90,8 @@ class WorkerEventRow(Base):
 
 
 # Columns added after a store's first release: (table, column, SQL type and default), added to an older file on open.
-ADDED_COLUMNS = (("worker_events", "device", "VARCHAR(100) NOT NULL DEFAULT ''"),)
+ADDED_COLUMNS = (("worker_events", "device", "VARCHAR(100) NOT NULL DEFAULT ''"),
+                 ("dead_letters", "publisher", "VARCHAR(100) NOT NULL DEFAULT ''"))
 
 
 class FinalModelsRow(Base):
@@ -106,12 +109,24 @@ class FinalModelsRow(Base):
 
 
 class DeadLetterRow(Base):
+    """One dead letter, up to dead_letters.ROWS_PER_EXPERIMENT of an experiment."""
+
     __tablename__ = "dead_letters"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     experiment: Mapped[str] = mapped_column(String(80), index=True)
     exchange: Mapped[str] = mapped_column(String(80))
     routing_key: Mapped[str] = mapped_column(String(255))
     at: Mapped[float] = mapped_column(Float)
+    publisher: Mapped[str] = mapped_column(String(100), default="")
+
+
+class DeadLetterCountRow(Base):
+    """How many dead letters counted against an experiment each publisher caused, stored as rows or not."""
+
+    __tablename__ = "dead_letter_counts"
+    experiment: Mapped[str] = mapped_column(String(80), primary_key=True)
+    publisher: Mapped[str] = mapped_column(String(100), primary_key=True)
+    count: Mapped[int] = mapped_column(Integer)
 
 
 @dataclass(frozen=True)
@@ -148,8 +163,11 @@ class MetricsStore:
         if url.startswith("sqlite"):
             options["connect_args"] = {"check_same_thread": False}
         self.engine = create_engine(url, **options)
+        counted = inspect(self.engine).has_table(DeadLetterCountRow.__tablename__)
         Base.metadata.create_all(self.engine)
         self._add_missing_columns()
+        if not counted:
+            self._count_stored_dead_letters()
         self._write = threading.Lock()
         self._last_state: dict[tuple[str, int, str], str] = {}  # of committed worker events
         self._batch = threading.local()  # .session, .states: the calling thread's open `writes` transaction
@@ -161,6 +179,12 @@ class MetricsStore:
             if column not in {c["name"] for c in inspect(self.engine).get_columns(table)}:
                 with self.engine.begin() as connection:
                     connection.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}"))
+
+    def _count_stored_dead_letters(self) -> None:
+        """A store written before dead letters were counted: its rows are the counts."""
+        with self.engine.begin() as connection:
+            connection.execute(text("INSERT INTO dead_letter_counts (experiment, publisher, count) SELECT experiment, "
+                                    "publisher, COUNT(*) FROM dead_letters GROUP BY experiment, publisher"))
 
     # -- writes ---------------------------------------------------------------------------------------
     @contextmanager
@@ -247,16 +271,33 @@ class MetricsStore:
                                    .order_by(FinalModelsRow.worker)).all()
             return [(r.worker, r.safetensors, r.sha256) for r in rows]
 
-    def record_dead_letter(self, experiment: str, exchange: str, routing_key: str) -> None:
-        self.record_dead_letters([(experiment, exchange, routing_key)])
+    def record_dead_letter(self, experiment: str, exchange: str, routing_key: str, publisher: str = "") -> None:
+        self.record_dead_letters([DeadLetter(experiment, exchange, routing_key, publisher)])
 
-    def record_dead_letters(self, letters: list[tuple[str, str, str]]) -> None:
-        """(experiment, exchange, routing key) of dead letters, in one transaction."""
+    def record_dead_letters(self, letters: Iterable[tuple[str, ...]]) -> None:
+        """Dead letters (runtime.metrics.dead_letters.DeadLetter: the experiment charged, exchange, routing key,
+        publisher), in one transaction: each counted, and stored as a row while its experiment has fewer than
+        ROWS_PER_EXPERIMENT."""
         now = time.time()
+        given = [DeadLetter(*letter) for letter in letters]
+        kept = [DeadLetter(d.experiment[:80], d.exchange[:80], d.routing_key[:255], d.publisher[:100]) for d in given]
+        counts = Counter((letter.experiment, letter.publisher) for letter in kept)
         with self._writing() as session:
-            session.add_all([DeadLetterRow(experiment=experiment[:255], exchange=exchange[:255],
-                                           routing_key=routing_key[:255], at=now)
-                             for experiment, exchange, routing_key in letters])
+            for (experiment, publisher), n in counts.items():
+                if (row := session.get(DeadLetterCountRow, (experiment, publisher))) is None:
+                    session.add(DeadLetterCountRow(experiment=experiment, publisher=publisher, count=n))
+                else:
+                    row.count += n
+            room: dict[str, int] = {}
+            for letter in kept:
+                if letter.experiment not in room:
+                    room[letter.experiment] = ROWS_PER_EXPERIMENT - int(session.scalar(
+                        select(func.count(DeadLetterRow.id)).where(DeadLetterRow.experiment == letter.experiment))
+                        or 0)
+                if room[letter.experiment] > 0:
+                    room[letter.experiment] -= 1
+                    session.add(DeadLetterRow(experiment=letter.experiment, exchange=letter.exchange,
+                                              routing_key=letter.routing_key, publisher=letter.publisher, at=now))
 
     # -- reads ----------------------------------------------------------------------------------------
     def experiment(self, experiment: str) -> StoredExperiment | None:
@@ -295,14 +336,29 @@ class MetricsStore:
                     for r in rows]
 
     def dead_letters(self, experiment: str | None = None) -> int:
+        """How many dead letters counted against `experiment` (None: all), stored as rows or not."""
         with Session(self.engine) as session:
-            query = select(func.count(DeadLetterRow.id))
+            query = select(func.sum(DeadLetterCountRow.count))
             if experiment is not None:
-                query = query.where(DeadLetterRow.experiment == experiment)
+                query = query.where(DeadLetterCountRow.experiment == experiment)
             return int(session.scalar(query) or 0)
 
     def dead_letter_counts(self) -> dict[str, int]:
+        """Dead letters per experiment charged ("": charged to their publishers alone)."""
         with Session(self.engine) as session:
-            rows = session.execute(select(DeadLetterRow.experiment, func.count(DeadLetterRow.id))
-                                   .group_by(DeadLetterRow.experiment))
+            rows = session.execute(select(DeadLetterCountRow.experiment, func.sum(DeadLetterCountRow.count))
+                                   .group_by(DeadLetterCountRow.experiment))
             return {str(e): int(n) for e, n in rows}
+
+    def dead_letter_publishers(self, experiment: str) -> dict[str, int]:
+        """An experiment's dead letters by broker-proven publisher ("": not proven)."""
+        with Session(self.engine) as session:
+            rows = session.execute(select(DeadLetterCountRow.publisher, DeadLetterCountRow.count)
+                                   .where(DeadLetterCountRow.experiment == experiment))
+            return {str(p): int(n) for p, n in rows}
+
+    def dead_letter_rows(self, experiment: str) -> int:
+        """How many of an experiment's dead letters are stored one by one (at most ROWS_PER_EXPERIMENT)."""
+        with Session(self.engine) as session:
+            return int(session.scalar(select(func.count(DeadLetterRow.id))
+                                      .where(DeadLetterRow.experiment == experiment)) or 0)
