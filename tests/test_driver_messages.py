@@ -537,3 +537,32 @@ def test_a_workers_own_clients_messages_stay_in_the_process_and_a_broker_copy_is
         for name, tensor in d.algorithm.params.items():  # type: ignore[attr-defined]
             torch.testing.assert_close(tensor, sim.algorithm.params[name][d.ids], rtol=1e-4, atol=1e-5)
     assert own.stats.not_neighbour == steps and not own.blocked and own.stats.duplicates == 0
+
+
+def test_a_worker_gets_each_message_it_needs_once_however_many_of_its_clients_hear_the_sender() -> None:
+    """3 drivers (workers) in lockstep over one broker, the run's every message recorded as published: each worker
+    takes exactly one delivery per message of a sender hosted elsewhere that one of its clients neighbours, and folds
+    it for each of those clients (more (receiver, message) pairs than deliveries)."""
+    cfg = robust_config()
+    broker = InMemoryBroker()
+    published: list[str] = []
+    route = broker.route
+
+    def recording(exchange: str, routing_key: str, *args: Any, **kwargs: Any) -> int:
+        if exchange == topics.MODELS_EXCHANGE:
+            published.append(routing_key)
+        return route(exchange, routing_key, *args, **kwargs)
+
+    broker.route = recording  # type: ignore[method-assign]
+    drivers, ctx = build_drivers(cfg, broker, 3)
+    run = LockstepRun(drivers, None)
+    for t in range(schedule_of(cfg).total_rounds):
+        lockstep_round(run, t)
+    graph = neighbours(ctx.graph)
+    senders = Counter(topics.parse_model_key(key).sender for key in published)
+    for driver in drivers:
+        heard = {m for c in driver.ids for m in graph[c]} - set(driver.ids)
+        needed = sum(senders[m] for m in heard)
+        assert needed > 0 and driver.stats.delivered == needed, (driver.ids, driver.stats.delivered, needed)
+        assert driver.stats.not_neighbour == 0 and driver.stats.duplicates == 0
+        assert driver.stats.applied > driver.stats.delivered  # one delivery, handed to every hosted neighbour
