@@ -33,7 +33,7 @@ def folder_data(cfg: ExperimentConfig) -> FederatedData | None:
     try:
         return build_federated_data(cfg)
     except (FolderDataError, ValueError) as err:
-        console.print(f"[bold red]invalid data:[/] {err}", highlight=False)
+        console.print(f"[bold red]invalid data:[/] {err}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from err
 
 
@@ -49,21 +49,22 @@ def export(
 
     from dfca.cli.main import _load
     from dfca.data import build_federated_data
-    from dfca.data.folder_export import write_folder_federation
+    from dfca.data.folder_export import check_out_folder, write_folder_federation
 
     cfg = _load(config, sets)
     if cfg.data.source != "builtin":
         console.print(f"[bold red]invalid config:[/] data.source: export writes a built-in federation; this one is "
                       f"{cfg.data.source} already")
         raise typer.Exit(2)
+    try:
+        check_out_folder(out_dir)
+    except FileExistsError as err:
+        console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from err
     data = build_federated_data(cfg)
     with Progress(TextColumn("writing clients"), BarColumn(), MofNCompleteColumn(), console=console) as progress:
         bar = progress.add_task("clients", total=data.num_clients)
-        try:
-            names = write_folder_federation(data, out_dir, lambda done: progress.update(bar, completed=done))
-        except FileExistsError as err:
-            console.print(f"[bold red]error:[/] {err}")
-            raise typer.Exit(2) from err
+        names = write_folder_federation(data, out_dir, lambda done: progress.update(bar, completed=done))
     (out_dir / EXPERIMENT_FILE).write_text(experiment_yaml(cfg, out_dir, data.num_classes))
     console.print(f"wrote {len(names)} clients ({names[0]} .. {names[-1]}), "
                   f"{'clusters.json, ' if data.has_true_clusters else ''}{EXPERIMENT_FILE} to {out_dir}/; "

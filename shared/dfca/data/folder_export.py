@@ -22,10 +22,15 @@ def client_ids(count: int) -> list[str]:
     return [f"client-{i:0{width}d}" for i in range(count)]
 
 
-def write_folder_federation(data: FederatedData, out: Path, progress: Callable[[int], None] | None = None) -> list[str]:
-    """Write every client of `data` into `out` (new or empty); returns the client ids, in row order."""
+def check_out_folder(out: Path) -> None:
+    """Refuse (FileExistsError) an `out` that is a file or a folder with something in it."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out}: exists and is not an empty folder; name a new or empty folder")
+
+
+def write_folder_federation(data: FederatedData, out: Path, progress: Callable[[int], None] | None = None) -> list[str]:
+    """Write every client of `data` into `out` (new or empty); returns the client ids, in row order."""
+    check_out_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     names = client_ids(data.num_clients)
     train_sizes, test_sizes = data.train_sizes.tolist(), data.test_sizes.tolist()
