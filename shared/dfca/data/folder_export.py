@@ -2,7 +2,7 @@
 
 `OUT/client-007/train.npz` and `test.npz` hold each client's real samples (x float32 as the run uses them, y int64),
 `OUT/clusters.json` the true clusters (where they are known). Client ids are `client-` and the row index, zero-padded
-to at least three digits, so that their sorted order is the row order.
+to at least three digits, so that their sorted order is the row order. Padding rows (label -1) are not written.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from dfca.data.folder_federation import CLUSTERS_FILE
 from dfca.data.shards import FederatedData
@@ -20,6 +21,13 @@ from dfca.data.shards import FederatedData
 def client_ids(count: int) -> list[str]:
     width = max(3, len(str(count - 1)))
     return [f"client-{i:0{width}d}" for i in range(count)]
+
+
+def save_part(file: Path, x: torch.Tensor, y: torch.Tensor) -> None:
+    """A client's samples as train.npz or test.npz; rows labelled -1 are padding (FedCRef's categories pad each
+    client to the largest that way) and stay out."""
+    real = y >= 0
+    np.savez(file, x=x[real].cpu().numpy(), y=y[real].cpu().numpy())
 
 
 def check_out_folder(out: Path) -> None:
@@ -37,10 +45,8 @@ def write_folder_federation(data: FederatedData, out: Path, progress: Callable[[
     for i, name in enumerate(names):
         folder = out / name
         folder.mkdir()
-        np.savez(folder / "train.npz", x=data.x_train[i, : train_sizes[i]].cpu().numpy(),
-                 y=data.y_train[i, : train_sizes[i]].cpu().numpy())
-        np.savez(folder / "test.npz", x=data.x_test[i, : test_sizes[i]].cpu().numpy(),
-                 y=data.y_test[i, : test_sizes[i]].cpu().numpy())
+        save_part(folder / "train.npz", data.x_train[i, : train_sizes[i]], data.y_train[i, : train_sizes[i]])
+        save_part(folder / "test.npz", data.x_test[i, : test_sizes[i]], data.y_test[i, : test_sizes[i]])
         if progress is not None:
             progress(i + 1)
     if data.has_true_clusters:
