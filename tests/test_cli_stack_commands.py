@@ -196,7 +196,8 @@ print("LOADED", loaded)
 @pytest.mark.parametrize("args", [
     ["--help"], ["--version"], ["status", "--help"], ["logs", "--help"], ["stop", "--help"], ["submit", "--help"],
     ["results", "--help"], ["down", "--help"], ["up", "--help"], ["status"], ["logs", "e1"], ["stop", "e1"],
-    ["results", "e1", "--out", "OUT"], ["down"], ["submit", "CFG", "--set", "rounds=3"],
+    ["results", "e1", "--out", "OUT"], ["down"], ["submit", "CFG", "--set", "rounds=3"], ["data", "--help"],
+    ["data", "inspect", "--help"], ["data", "export", "--help"],
 ])
 def test_commands_that_talk_to_a_stack_never_import_torch(args: list[str], tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nobody answers: the commands fail after their imports

@@ -6,6 +6,8 @@ Imports are lazy, as in dfca.cli.main: `dfca --help` imports neither torch nor t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,13 +30,26 @@ def folder_data(cfg: ExperimentConfig) -> FederatedData | None:
     printed, naming file and client, and exits 2 before anything runs."""
     if cfg.data.source != "folder":
         return None
-    from dfca.data import FolderDataError, build_federated_data
+    from dfca.data import FolderDataError
+    from dfca.data.federated import source_data
 
     try:
-        return build_federated_data(cfg)
+        with reading_bar() as progress:
+            return source_data(cfg, progress)
     except (FolderDataError, ValueError) as err:
         console.print(f"[bold red]invalid data:[/] {err}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from err
+
+
+@contextmanager
+def reading_bar() -> Iterator[Callable[[int, int], None]]:
+    """A progress bar of the client folders read (it shows once reading takes a moment)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("reading clients"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=console, transient=True) as bars:
+        task = bars.add_task("clients", total=None)
+        yield lambda done, total: bars.update(task, completed=done, total=total)
 
 
 @data_app.command("export")
@@ -101,7 +116,8 @@ def inspect(
     when there is one)."""
     from dfca.data import inspect_folder
 
-    report = inspect_folder(path, classes=classes)
+    with reading_bar() as progress:
+        report = inspect_folder(path, classes=classes, progress=progress)
     if as_json:
         print(json.dumps(report.to_json(), indent=1))
     else:

@@ -43,7 +43,7 @@ FileNotFoundError naming the files expected in the folder `data.root`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -113,12 +113,13 @@ def build_federated_data(cfg: ExperimentBase) -> FederatedData:
     return images
 
 
-def source_data(cfg: ExperimentBase) -> FederatedData:
-    """`data.source: folder`: every client of data.path; the config's data.clients must count them."""
+def source_data(cfg: ExperimentBase, progress: Callable[[int, int], None] | None = None) -> FederatedData:
+    """`data.source: folder`: every client of data.path (`progress(read, total)` after each client); the config's
+    data.clients must count them."""
     data = cfg.data
     if data.source != "folder" or data.path is None:
         raise ValueError(f"data.source: {data.source} data is read by the workers that hold it, not built here")
-    read = read_folder_federation(data.path, cfg.seed, data.test_fraction, classes=data.classes)
+    read = read_folder_federation(data.path, cfg.seed, data.test_fraction, classes=data.classes, progress=progress)
     if read.num_clients != data.clients:
         raise ValueError(f"data.clients: {data.clients}, but {data.path} holds {read.num_clients} clients")
     return read

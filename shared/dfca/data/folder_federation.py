@@ -20,7 +20,7 @@ Everything is checked before anything is built (dfca.data.folder_checks): every 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +41,7 @@ from dfca.data.partition import seeded_rng
 from dfca.data.shards import FederatedData, from_clients
 
 CLUSTERS_FILE = "clusters.json"
+Progress = Callable[[int, int], None]  # (clients read, clients to read)
 
 __all__ = ["CLUSTERS_FILE", "FolderDataError", "Problem", "list_client_ids", "read_folder_federation"]
 
@@ -91,11 +92,12 @@ def list_client_ids(path: str | Path) -> list[str]:
 
 def read_folder_federation(
     path: str | Path, seed: int, test_fraction: float, clients: Sequence[str] | None = None,
-    classes: int | None = None,
+    classes: int | None = None, progress: Progress | None = None,
 ) -> FederatedData:
     """The federation in `path` (only the named `clients`, in that order, where given: no other client's folder is
-    opened); raises FolderDataError listing every problem, before anything is built."""
-    found = read_contents(path, seed, test_fraction, clients, classes)
+    opened); raises FolderDataError listing every problem, before anything is built. `progress(done, total)` is
+    called after each client folder is read."""
+    found = read_contents(path, seed, test_fraction, clients, classes, progress)
     if found.problems:
         raise FolderDataError(found.problems)
     names = [c.name for c in found.clients]
@@ -108,7 +110,7 @@ def read_folder_federation(
 
 def read_contents(
     path: str | Path, seed: int, test_fraction: float, clients: Sequence[str] | None = None,
-    classes: int | None = None,
+    classes: int | None = None, progress: Progress | None = None,
 ) -> FolderContents:
     """Read and check `clients` (default: all) of the federation in `path`, collecting every problem."""
     root = Path(path)
@@ -123,11 +125,13 @@ def read_contents(
         stored = [files[c] for c in chosen if c in files]
     else:
         stored = []
-        for client in chosen:
+        for done, client in enumerate(chosen, 1):
             files_of, problems = read_client_folder(root / client, client)
             found.problems += problems
             if files_of is not None:
                 stored.append(files_of)
+            if progress is not None:
+                progress(done, len(chosen))
     for files_of in stored:
         split, problems = checked_split(files_of, seed, test_fraction)
         found.problems += problems

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from dfca.data.folder_checks import FolderDataError, Problem
-from dfca.data.folder_federation import read_contents
+from dfca.data.folder_federation import Progress, read_contents
 
 
 @dataclass
@@ -62,12 +62,12 @@ class FolderReport:
         }
 
 
-def inspect_folder(path: str | Path, classes: int | None = None, seed: int = 0,
-                   test_fraction: float = 0.2) -> FolderReport:
+def inspect_folder(path: str | Path, classes: int | None = None, seed: int = 0, test_fraction: float = 0.2,
+                   progress: Progress | None = None) -> FolderReport:
     """Read and check every client in `path`; problems are listed in the report, never raised."""
     report = FolderReport(Path(path))
     try:
-        found = read_contents(path, seed, test_fraction, classes=classes)
+        found = read_contents(path, seed, test_fraction, classes=classes, progress=progress)
     except FolderDataError as err:
         report.problems = err.problems
         return report
