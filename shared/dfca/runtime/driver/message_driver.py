@@ -266,7 +266,6 @@ class MessageDriver:
             self._count_invalid(message)
             return
         envelope = decoded.envelope
-        self.liveness.sighted(envelope.sender, envelope.round)
         rows = self.hearing.rows(envelope.sender, decoded.exchange)
         if not rows:
             self.stats.not_neighbour += 1
@@ -280,6 +279,7 @@ class MessageDriver:
             if self.admission.proven and envelope.sender not in self.blocked:
                 self.block(envelope.sender, "sent two different bodies for one message")
         else:
+            self.liveness.sighted(envelope.sender, envelope.round)  # only what was let in shows a sender's progress
             fanout = Unsettled(message, len(rows))
             for row in rows:
                 self._route(Delivery(row, message, decoded, fanout))
