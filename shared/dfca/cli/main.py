@@ -241,8 +241,8 @@ def up(
     broker_users: Path = typer.Option(None, "--broker-users", help="the principals' broker users, made beforehand: "
                                       "the URLs `python -m dfca.identity.broker_users create` wrote (default "
                                       "DFCA_BROKER_USERS; none: `dfca up` creates them, STATE_DIR/broker-users.json)"),
-    rabbitmqctl: str = typer.Option("rabbitmqctl", "--rabbitmqctl", help="how to reach the broker's node to create "
-                                    "the users (e.g. 'sudo rabbitmqctl -n rabbit@host')"),
+    rabbitmqctl: str = typer.Option(None, "--rabbitmqctl", help="how to reach the broker's node to create the "
+                                    "users [default: rabbitmqctl as root, else 'sudo -n rabbitmqctl']"),
     insecure_shared_broker_user: bool = typer.Option(
         False, "--insecure-shared-broker-user", help="every process connects as --broker's user, with no broker "
         "users of their own: any worker's credentials can then forge control commands and other workers' models "
@@ -269,7 +269,8 @@ def up(
         metrics_db_url=os.environ.get("DFCA_METRICS_DB_URL"), data_root=os.environ.get("DFCA_DATA_ROOT"),
         log_level=os.environ.get("DFCA_LOG_LEVEL", "INFO"), log_to_files=log_to_files,
         model_factories=os.environ.get("DFCA_MODEL_FACTORIES", ""),
-        shared_broker_user=insecure_shared_broker_user, rabbitmqctl=rabbitmqctl,
+        shared_broker_user=insecure_shared_broker_user,
+        rabbitmqctl=rabbitmqctl or ("rabbitmqctl" if os.geteuid() == 0 else "sudo -n rabbitmqctl"),
     )
     users_file = broker_users or (Path(os.environ["DFCA_BROKER_USERS"]) if os.environ.get("DFCA_BROKER_USERS")
                                   else None)
