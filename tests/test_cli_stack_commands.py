@@ -294,7 +294,7 @@ def test_dfca_up_logs_to_files_prints_where_everything_is_and_dfca_down_stops_it
         assert f"logs       {(tmp_path / '.dfca' / 'logs').resolve()}" in output
         assert f"API token {token}" in output and f"read token {read_token}" in output and "dfca down" in output
         assert "one per principal (5 users)" in output
-        listed = private_rabbitmq.ctl("list_users", "--formatter", "json")
+        listed = private_rabbitmq.ctl("list_users", "--formatter", "json", timeout=240)
         users = {u["user"] for u in json.loads(listed.stdout)}
         assert {u for u in users if u.startswith("dfca-")} == {
             "dfca-topology", "dfca-metrics", "dfca-aggregator", "dfca-worker-0", "dfca-worker-1"}, users
