@@ -414,7 +414,8 @@ class DFCA(Algorithm):
         if self.merge_screen is not None:  # a robust one-hop merge, screened like a gossip step
             delivered = screened_arrivals(delivered, inbox.part, inbox.tensors, self.merge_screen)
             self.screened += int((inbox.delivered & ~delivered).sum())
-        return fold_models(self.params, self.weight, delivered, inbox.part, inbox.tensors)  # eq. 7/8
+        fold_models(self.params, self.weight, delivered, inbox.part, inbox.tensors)  # eq. 7/8
+        return int(inbox.delivered.sum())  # taken, folded or screened out
 
     def candidate_check(self, rows: Tensor, candidates: Params) -> Tensor:
         """[R] bool: the candidate each row would keep is a finite model whose output depends on that row's inputs,
