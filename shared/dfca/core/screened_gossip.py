@@ -92,13 +92,13 @@ def message_distances(models: Mapping[str, Tensor], part: Tensor, anchor: Mappin
 
 
 def own_cluster_checks(rows: Tensor, flat: Tensor, values: Mapping[str, Tensor], divisor: Tensor | None,
-                       screen: Screen) -> Tensor:
+                       screen: Screen, along: bool = True) -> Tensor:
     """[P] bool: the estimates of pairs p of each row `rows[p]`'s own cluster pass the direction and data tests.
 
     values: name -> [Q, ...] the estimates' numerators, flat [P] the row of each pair's, divisor [Q] their den (None:
     models, no den). Direction: an estimate of the row's own cluster moved from the anchor along, not against, the
-    row's own training step (every honest copy was trained on data like the row's from about the same anchor); data:
-    screen.test. Formed block by block (BLOCK_FLOATS values at once)."""
+    row's own training step (every honest copy was trained on data like the row's from about the same anchor; only
+    where `along`); data: screen.test. Formed block by block (BLOCK_FLOATS values at once)."""
     per_pair = sum(v[0].numel() for v in values.values())
     block = max(1, BLOCK_FLOATS // max(1, per_pair))
     ok = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
@@ -108,12 +108,12 @@ def own_cluster_checks(rows: Tensor, flat: Tensor, values: Mapping[str, Tensor],
         if divisor is not None:
             d = divisor.index_select(0, f).clamp_min(MIN_WEIGHT)
             est = {n: v / trailing(d.to(v.dtype), v) for n, v in est.items()}
-        if screen.step is not None:
-            along = torch.zeros(r.shape[0], dtype=torch.float64, device=r.device)
+        if along and screen.step is not None:
+            moved = torch.zeros(r.shape[0], dtype=torch.float64, device=r.device)
             for n, v in est.items():
                 own = screen.anchor[n][r, screen.clusters[r]]
-                along += ((v - own) * screen.step[n].index_select(0, r)).reshape(r.shape[0], -1).sum(1).double()
-            ok[lo:lo + block] &= along >= 0
+                moved += ((v - own) * screen.step[n].index_select(0, r)).reshape(r.shape[0], -1).sum(1).double()
+            ok[lo:lo + block] &= moved >= 0
         if screen.test is not None:
             ok[lo:lo + block] &= screen.test(r, est)
     return ok
@@ -121,11 +121,14 @@ def own_cluster_checks(rows: Tensor, flat: Tensor, values: Mapping[str, Tensor],
 
 def screened_arrivals(delivered: Tensor, part: Tensor, models: Mapping[str, Tensor], screen: Screen) -> Tensor:
     """[M, S] bool: the one-hop merge's arrivals (message s a model of cluster part[s]) row i keeps: within its
-    radius of its anchor of that cluster, and, for its own cluster, passing own_cluster_checks."""
+    radius of its anchor of that cluster, and, for its own cluster, passing the data test. Not the direction test:
+    between the lean schedule's gossip rounds neighbours' anchors drift apart, and a model's difference from the
+    receiver's anchor is that drift as much as the sender's step (measured: it dropped honest models by the
+    thousand)."""
     keep = delivered & (message_distances(models, part, screen.anchor) <= screen.radius.unsqueeze(1))
     rows, cols = (keep & (part.unsqueeze(0) == screen.clusters.unsqueeze(1))).nonzero(as_tuple=True)
     if rows.numel():
-        keep[rows, cols] = own_cluster_checks(rows, cols, models, None, screen)
+        keep[rows, cols] = own_cluster_checks(rows, cols, models, None, screen, along=False)
     return keep
 
 
