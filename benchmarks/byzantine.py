@@ -6,9 +6,10 @@ Every run is robust DFCA over three in-memory message drivers in lockstep (harne
 the message driver's own code), host 1 compromised: it trains, receives and reports like the others, but its
 clients send what the attack forges. Rows are attacks, columns the defence: `off` (`dfca.screen: false`: plain ratio
 consensus; seeding's checks are always on), `screen` (`dfca.screen`, core.screened_gossip), `screen+trim` (also
-`dfca.screen_trim: 0.25`, the coordinate-wise trimmed mean), all three with `traffic: full` (gossip every round),
-and `default` (the default config: `traffic: lean`, its one-hop merges screened too) and `lean off` (that
-without the screen). Each cell is
+`dfca.screen_trim: 0.25`, the coordinate-wise trimmed mean), all three with `traffic: full` (gossip every round;
+`screen: true` implies it),
+and `lean screen` (`traffic: lean`, the default schedule, with its one-hop merges screened too) and `lean off` (the
+default: lean, unscreened). Each cell is
 the honest clients' mean test accuracy and ARI (hosts 0 and 2 only), mean over seeds, and its difference from the
 honest run with the same defence. Settings: the runtime tests' config (rotated MNIST k=2, 24 clients, ER p=0.5,
 h=64) and the goal grid's k=4 N=32 ER p=0.2 (h=200, 15 rounds: half the grid's, to save CPU).
@@ -57,10 +58,10 @@ ATTACKS: list[tuple[str, str]] = [
     ("inflate", "none"), ("relay", "none"), ("duplicate", "none"),
     ("none", "inflate"), ("none", "zeros"), ("none", "flip"), ("none", "reverse"),
 ]
-DEFENCES = {"off": {"dfca": {"traffic": "full", "screen": False}}, "screen": {"dfca": {"traffic": "full"}},
-            "screen+trim": {"dfca": {"traffic": "full", "screen_trim": 0.25}},
-            "default": {},  # the default: traffic lean, screened gossip and one-hop merges
-            "lean off": {"dfca": {"screen": False}}}
+DEFENCES = {"off": {"dfca": {"traffic": "full", "screen": False}}, "screen": {"dfca": {"screen": True}},
+            "screen+trim": {"dfca": {"screen": True, "screen_trim": 0.25}},
+            "lean screen": {"dfca": {"traffic": "lean", "screen": True}},  # its one-hop merges screened too
+            "lean off": {"dfca": {"traffic": "lean", "screen": False}}}
 
 
 def config(setting: dict[str, Any], defence: str, seed: int) -> ExperimentConfig:

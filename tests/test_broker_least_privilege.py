@@ -256,14 +256,13 @@ def test_a_compromised_worker_hijacking_seeding_and_consensus_costs_the_honest_c
         principal_node: tuple[RabbitMQNode, dict[str, str]], tmp_path: Path) -> None:
     """Worker 1 of 3 runs with its own credentials and forges what its 8 clients send (DFCA_FORGE, harness.forgery):
     the seed hijack (an all-zero model at an inflated score, in every seeding round) and consensus hijack (a
-    huge weight on the zero model, in every gossip step). With `dfca.screen` (the default; gossip every round here,
-    `traffic: full`) the 16 honest clients end within 3
+    huge weight on the zero model, in every gossip step). With `dfca.screen` the 16 honest clients end within 3
     points of their accuracy in the honest run, with their clusters recovered; the forgeries are refused and
     dropped, and counted."""
     private_rabbitmq, principal_urls = principal_node
     # 150 images per client: dropping the liars' messages drops their clients' data too, which with 80 images each
     # alone costs the honest clients 3 points (benchmarks/byzantine.py measures both)
-    cfg = rotated_mnist(name="byzantine", rounds=8, dfca={"traffic": "full"}, data={"train_per_client": 150})
+    cfg = rotated_mnist(name="byzantine", rounds=8, dfca={"screen": True}, data={"train_per_client": 150})
     reference = simulate(ExperimentConfig.model_validate(cfg)).simulation.algorithm.evaluate()
     honest = [c for c in range(24) if c % WORKERS != 1]
     honest_accuracy = float(reference.test_accuracy[honest].mean())

@@ -182,7 +182,7 @@ def test_screened_one_hop_merges_match_the_simulator(aggregation: str) -> None:
     radius some honest models are dropped, the same ones whether they arrive all at once or one at a time."""
     cfg = small_config(rounds=4, aggregation=aggregation,
                        dfca={"flood_rounds": 2, "seed_epochs": 2, "warmup_rounds": 0, "gossip_every": 2,
-                             "gossip_steps": 2, "screen_radius": 1.2})
+                             "gossip_steps": 2, "screen": True, "screen_radius": 1.2})
     assert schedule_of(cfg).gossip_steps(schedule_of(cfg).seeding_rounds) == 0  # the first training round merges
     ctx = prepare(cfg)
     sim = simulate(cfg, data=ctx.data)

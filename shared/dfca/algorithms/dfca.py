@@ -86,7 +86,7 @@ def traffic_of(dfca: Any) -> str:
     """The traffic preset a DFCA section (a dict as given, or a DFCAConfig) asks for."""
     if not isinstance(dfca, dict):
         return str(dfca.traffic)
-    return str(dfca.get("traffic", "lean"))
+    return str(dfca.get("traffic", "full" if dfca.get("screen") else "lean"))
 
 
 class DFCAConfig(Strict):
@@ -103,8 +103,8 @@ class DFCAConfig(Strict):
       lean (default): warmup_rounds 0, gossip_every 5, gossip_steps 5, and 8-bit payloads
             (runtime.payload_dtype int8): 0.9-1.5x the paper rule's bytes (docs/traffic.md);
       full: warmup_rounds 8, gossip_every 1, gossip_steps 3, float32 payloads: consensus every round,
-            10-20x the paper rule's bytes (the default before lean).
-    `screen` (on by default) screens every arrival a robust round folds: gossip steps and one-hop merges alike.
+            10-20x the paper rule's bytes (the default before lean). `screen: true` implies full; with traffic lean
+            named, the screen guards its one-hop merges too.
     """
 
     variant: Literal["paper", "robust"] = "robust"
@@ -129,7 +129,7 @@ class DFCAConfig(Strict):
         0.0, ge=0.0, le=1.0, description="robust: weight of a cluster copy its client did not train this round"
     )
     screen: bool = Field(
-        True,
+        False,
         description="robust: screened gossip and merges against lying neighbours (core.screened_gossip): weights "
         "held to what an honest client can send, estimates far from the receiver's model of last round or (for its "
         "own cluster) against its own training step or much worse on its own data dropped; costs a copy of the "
@@ -166,7 +166,8 @@ class DFCAConfig(Strict):
     @model_validator(mode="before")
     @classmethod
     def _traffic_preset(cls, data: Any) -> Any:
-        """traffic: full fills the keys the config leaves out with the full schedule's values."""
+        """traffic: full (or screen: true, unless traffic is named) fills the keys the config leaves out with the
+        full schedule's values."""
         if not isinstance(data, dict) or traffic_of(data) != "full":
             return data
         return {**FULL_TRAFFIC, "traffic": "full", **data}
