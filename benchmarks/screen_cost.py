@@ -40,7 +40,7 @@ def main() -> None:
     setting = SETTINGS[args.setting]
     column = {"algorithm": "dfca", "init": "global", "dfca": {"variant": "robust", "seeding": "farthest",
                                                              "traffic": args.traffic}}
-    load_before = os.getloadavg()[0]
+    load_before, measured = os.getloadavg()[0], commit()  # the code as it was when the run started
     sims, cfg = {}, None
     for screen in (False, True):
         cfg = config(setting, merge(column, {"dfca": {"screen": screen}}), args.seed, args.rounds, 500)
@@ -59,7 +59,7 @@ def main() -> None:
             seconds[kind][screen].append(time.perf_counter() - start)
     record: dict[str, object] = {
         "setting": setting["label"], "traffic": args.traffic, "rounds": args.rounds, "seed": args.seed,
-        "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": measured, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
         "screened_pairs_dropped": sims[True].algorithm.screened,
     }
