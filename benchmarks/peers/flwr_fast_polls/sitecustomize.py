@@ -1,0 +1,72 @@
+"""Flower's fixed poll sleeps shortened to $DFCA_FLWR_POLL_S seconds, in every Flower process of a benchmark run.
+
+benchmarks/flwr_deployment.py puts this folder on PYTHONPATH for the `-fast` runs of benchmarks/peers_runtime.py,
+so Python imports it at start-up in the SuperLink, the SuperNodes, SuperExec and every ServerApp and ClientApp
+process; nothing in the flwr venv is changed. In flwr 1.42 the polls are `time.sleep(<literal>)` calls, so the
+modules that hold them get a `time` whose `sleep` waits at most POLL_S (their other `time` calls are the real
+ones); the sleeps of these modules are all polls:
+
+- flwr.superlink.grid.http_grid: HttpGrid.send_and_receive, the ServerApp's wait for replies (3 s);
+- flwr.supernode.start_client_internal: the SuperNode's wait for a message from the SuperLink (3 s) and for its
+  ClientApp's reply (0.5 s, twice).
+
+SuperExec's task poll (1 s) is configurable, FLWR_SUPEREXEC_TASK_POLL_INTERVAL, which the benchmark sets too.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import time
+import types
+from collections.abc import Sequence
+from typing import Any
+
+POLL_S = float(os.environ.get("DFCA_FLWR_POLL_S", "0.01"))
+POLLING_MODULES = frozenset({"flwr.superlink.grid.http_grid", "flwr.supernode.start_client_internal"})
+
+
+class ShortSleeps(types.ModuleType):
+    """The `time` module with `sleep` capped at POLL_S."""
+
+    def __init__(self) -> None:
+        super().__init__("time")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        time.sleep(min(seconds, POLL_S))
+
+
+class PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self.inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.inner.exec_module(module)
+        module.time = ShortSleeps()  # type: ignore[attr-defined]
+
+
+class PollingModules(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in POLLING_MODULES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+sys.meta_path.insert(0, PollingModules())
