@@ -48,6 +48,7 @@ class Deployment:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("FLWR_", "PYTHON"))}
         paths = [str(HERE / "peers"), *([str(FAST_POLLS)] if self.fast_polls else [])]
         env.update(FLWR_HOME=str(self.home), PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1",
+                   PATH=os.pathsep.join([str(self.venv / "bin"), env.get("PATH", "")]),
                    MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if self.fast_polls:
             env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = str(POLL_S)
@@ -73,6 +74,19 @@ class Deployment:
                 self.bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{p['superlink']}",
                 "--host", "127.0.0.1", "--port", str(p["supernodes"] + i),
                 "--node-config", f"partitions='{','.join(map(str, clients))}'"])
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Until every SuperNode has connected to the SuperLink (its log names its node ID)."""
+        deadline = time.monotonic() + timeout
+        waiting = [f"supernode-{i}" for i in range(len(self.nodes))]
+        while waiting := [n for n in waiting if "SuperNode ID" not in (self.home / f"{n}.log").read_text(
+                errors="replace")]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(waiting)} SuperNodes did not connect\n{self.log_tails()}")
+            for name, process in self.processes.items():
+                if process.poll() is not None:
+                    raise RuntimeError(f"{name} exited ({process.returncode})\n{self.log_tails()}")
+            time.sleep(0.2)
 
     def groups(self) -> dict[str, list[int]]:
         return {"superlink": [self.processes["superlink"].pid],
@@ -123,6 +137,7 @@ def running(venv: Path, home: Path, nodes: list[list[int]], fast_polls: bool, po
     deployment = Deployment(venv, home, nodes, fast_polls, ports)
     deployment.start()
     try:
+        deployment.wait_ready()
         yield deployment
     finally:
         deployment.stop()

@@ -210,6 +210,8 @@ def main() -> None:
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
     parser.add_argument("--rounds", type=int, default=10, help="training rounds (rounds 2..R are timed)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one Flower run may take")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="keep the runs' files (logs, Flower's homes, broker data) in this folder")
     parser.add_argument("--out", type=Path, default=Path("docs/results/peers_runtime_runs.jsonl"))
     args = parser.parse_args()
     if args.setup_flwr:
@@ -230,7 +232,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="peers-runtime-") as tmp:
-        folder = Path(tmp)
+        folder = args.keep or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
         data = save_workload(ExperimentConfig.model_validate(workload_config("ifca", args.rounds)),
                              SimpleNamespace(threads=1), folder)
         broker = RabbitMQNode.start_new(folder / "rabbitmq") if any(r.startswith("dfca") for r in runs) else None
