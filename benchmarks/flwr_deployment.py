@@ -6,9 +6,10 @@
     flwr run APP_DIR benchmark --run-config "..."                  (federation `benchmark` in $FLWR_HOME/config.toml)
 
 Every Flower process gets OMP_NUM_THREADS=MKL_NUM_THREADS=1 (the ClientApp and ServerApp also set one torch thread),
-a private FLWR_HOME, and PYTHONPATH=benchmarks/peers (peer_common). `fast_polls`: FLWR_SUPEREXEC_TASK_POLL_INTERVAL
-and benchmarks/peers/flwr_fast_polls/sitecustomize.py (on PYTHONPATH, so in every Flower process) set Flower's
-poll intervals to POLL_S; the venv itself is not modified.
+a private FLWR_HOME, and PYTHONPATH=benchmarks/peers (peer_common). `fast_polls`:
+benchmarks/peers/flwr_fast_polls/sitecustomize.py (on PYTHONPATH, so in every Flower process; its docstring lists
+what it shortens) sets Flower's 3-s polls to POLL_S, and FLWR_SUPEREXEC_TASK_POLL_INTERVAL SuperExec's poll if
+SUPEREXEC_POLL_S is set; the venv itself is not modified.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ HERE = Path(__file__).resolve().parent
 APP = HERE / "peers" / "flwr_deployment_app"
 FAST_POLLS = HERE / "peers" / "flwr_fast_polls"
 POLL_S = 0.01
+# SuperExec's task poll in the fast runs: stock (1 s). At 0.01 s (FLWR_SUPEREXEC_TASK_POLL_INTERVAL) the ServerApp's
+# and ClientApps' tasks failed on this 2-core machine under load: Flower's runtime API refused their task tokens
+# (401), so no run finished; `--superexec-poll` sets it.
+SUPEREXEC_POLL_S: float | None = None
 
 
 @dataclass
@@ -51,8 +56,9 @@ class Deployment:
                    PATH=os.pathsep.join([str(self.venv / "bin"), env.get("PATH", "")]),
                    MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if self.fast_polls:
-            env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = str(POLL_S)
             env["DFCA_FLWR_POLL_S"] = str(POLL_S)
+            if SUPEREXEC_POLL_S is not None:
+                env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = str(SUPEREXEC_POLL_S)
         return env
 
     def spawn(self, name: str, command: list[str]) -> None:
@@ -67,8 +73,9 @@ class Deployment:
         (self.home / "config.toml").write_text(
             f'[superlink]\ndefault = "benchmark"\n\n[superlink.benchmark]\n'
             f'address = "127.0.0.1:{p["superlink"]}"\ninsecure = true\n')
-        self.spawn("superlink", [self.bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
-                                 "--host", "127.0.0.1", "--port", str(p["superlink"])])
+        self.spawn("superlink", [self.bin("flower-superlink"), "--insecure",
+                                 "--disable-runtime-dependency-installation", "--host", "127.0.0.1",
+                                 "--port", str(p["superlink"])])
         for i, clients in enumerate(self.nodes):
             self.spawn(f"supernode-{i}", [
                 self.bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{p['superlink']}",
@@ -144,7 +151,8 @@ def running(venv: Path, home: Path, nodes: list[list[int]], fast_polls: bool, po
 
 
 def measured_run(deployment: Deployment, data: Path, rounds: int, timeout: float) -> tuple[dict[str, Any], TreeTrace]:
-    """One `flwr run` with its process trees traced (CPU, RSS, bytes on the SuperLink's: the Fleet, ServerAppIo and Control APIs) from before the run is submitted to after its result is written."""
+    """One `flwr run` with its process trees traced (CPU, RSS, bytes on the SuperLink's port: its Fleet, ServerApp
+    and Control APIs) from before the run is submitted to after its result is written."""
     trace = TreeTrace(deployment.groups(), {deployment.ports["superlink"]}).start()
     try:
         result = deployment.run_app(data, rounds, deployment.home / "result.json", timeout)

@@ -25,7 +25,8 @@ Runs (each on its own processes, every process with one thread: OMP_NUM_THREADS=
 Per run: seconds per round over rounds 2..R (from round 1's end to round R's); CPU seconds per round in that span
 of every process tree of the deployment, children included (Flower's ClientApp and ServerApp processes; the
 runtime's workers, topology, metrics, aggregator and RabbitMQ node); the peak RSS of all of them summed; bytes per
-round through the hub (TCP bytes on the RabbitMQ node's AMQP port, on the SuperLink's Fleet and ServerAppIo ports);
+round through the hub (TCP bytes on the RabbitMQ node's AMQP port; on the SuperLink's one HTTP port, which serves
+its Fleet, ServerApp and Control APIs; a ClientApp's talk with its own SuperNode is not counted);
 the final test accuracy. Rows are appended to --out with the commit, the date and the load before and after.
 Target: the runtime >= 10x faster per round than Flower's Deployment Engine in the same layout (3 x 8).
 """
@@ -162,7 +163,8 @@ def flwr_run(venv: Path, nodes: int, fast: bool, rounds: int, data: Path, home: 
     return measured(trace, marks[1], marks[-1], len(marks) - 2, float(result["test_accuracy"]),
                     {"layout": f"{nodes} SuperNodes x {24 // nodes} clients", "flwr_version": result["flwr_version"],
                      "payload_bytes_per_round": (result["payload_bytes_sent"] + result["payload_bytes_received"])
-                     / rounds, "polls": f"{flwr_deployment.POLL_S} s (patched)" if fast else "stock"})
+                     / rounds, "polls": {"grid_and_supernode_3s_polls": flwr_deployment.POLL_S,
+                               "superexec_task_poll": flwr_deployment.SUPEREXEC_POLL_S or 1.0} if fast else "stock"})
 
 
 def setup_flwr(venv: Path) -> None:
@@ -210,6 +212,9 @@ def main() -> None:
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
     parser.add_argument("--rounds", type=int, default=10, help="training rounds (rounds 2..R are timed)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one Flower run may take")
+    parser.add_argument("--superexec-poll", type=float, default=None,
+                        help="the -fast runs: FLWR_SUPEREXEC_TASK_POLL_INTERVAL (seconds, 0.01..60; default: "
+                             "Flower's 1 s, see flwr_deployment.SUPEREXEC_POLL_S)")
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep the runs' files (logs, Flower's homes, broker data) in this folder")
     parser.add_argument("--out", type=Path, default=Path("docs/results/peers_runtime_runs.jsonl"))
@@ -226,6 +231,7 @@ def main() -> None:
         parser.error(f"--flwr-venv: no Flower at {args.flwr_venv} (python benchmarks/peers_runtime.py --setup-flwr "
                      "--flwr-venv DIR, or set DFCA_FLWR_VENV)")
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    flwr_deployment.SUPEREXEC_POLL_S = args.superexec_poll
     common = {"commit": commit(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "host": socket.gethostname(), "cores": os.cpu_count(), "rounds": args.rounds,
               "command": "python benchmarks/peers_runtime.py " + " ".join(sys.argv[1:])}

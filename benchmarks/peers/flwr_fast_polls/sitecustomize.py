@@ -3,14 +3,14 @@
 benchmarks/flwr_deployment.py puts this folder on PYTHONPATH for the `-fast` runs of benchmarks/peers_runtime.py,
 so Python imports it at start-up in the SuperLink, the SuperNodes, SuperExec and every ServerApp and ClientApp
 process; nothing in the flwr venv is changed. In flwr 1.42 the polls are `time.sleep(<literal>)` calls, so the
-modules that hold them get a `time` whose `sleep` waits at most POLL_S (their other `time` calls are the real
-ones); the sleeps of these modules are all polls:
+modules that hold them get a `time` whose `sleep(3)` waits POLL_S instead (every other call is the real one):
 
 - flwr.superlink.grid.http_grid: HttpGrid.send_and_receive, the ServerApp's wait for replies (3 s);
-- flwr.supernode.start_client_internal: the SuperNode's wait for a message from the SuperLink (3 s) and for its
-  ClientApp's reply (0.5 s, twice).
+- flwr.supernode.start_client_internal: the SuperNode's wait for a message from the SuperLink (3 s).
 
-SuperExec's task poll (1 s) is configurable, FLWR_SUPEREXEC_TASK_POLL_INTERVAL, which the benchmark sets too.
+Left as they are: the SuperNode's 0.5-s waits for its ClientApp's reply (start_client_internal._push_messages) and
+SuperExec's 1-s task poll (configurable: FLWR_SUPEREXEC_TASK_POLL_INTERVAL; flwr_deployment.SUPEREXEC_POLL_S says
+why the benchmark keeps it).
 """
 
 from __future__ import annotations
