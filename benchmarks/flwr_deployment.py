@@ -32,8 +32,9 @@ APP = HERE / "peers" / "flwr_deployment_app"
 FAST_POLLS = HERE / "peers" / "flwr_fast_polls"
 POLL_S = 0.01
 # SuperExec's task poll in the fast runs: stock (1 s). At 0.01 s (FLWR_SUPEREXEC_TASK_POLL_INTERVAL) the ServerApp's
-# and ClientApps' tasks failed on this 2-core machine under load: Flower's runtime API refused their task tokens
-# (401), so no run finished; `--superexec-poll` sets it.
+# and ClientApps' tasks failed on a loaded 2-core machine (Flower's runtime API refused their task tokens, 401) and
+# no run finished; stock Flower failed so too at a higher load, so the poll is not proven the cause.
+# `--superexec-poll` sets it.
 SUPEREXEC_POLL_S: float | None = None
 
 
