@@ -18,9 +18,9 @@ Runs (each on its own processes, every process with one thread: OMP_NUM_THREADS=
   dfca-dfedavgm   the same stack without the aggregator: DFedAvgM on a complete graph, momentum 0
   flwr-3x8        Flower 1.42 Deployment Engine: a SuperLink and 3 SuperNodes; each node's ClientApp trains its 8
                   clients (client c on node c % 3, as on dfca's workers) per round and replies with 8 models
-  flwr-3x8-fast   the same with Flower's poll intervals at 0.01 s (flwr_deployment.py says what is patched)
+  flwr-3x8-fast   the same with Flower's 3-s polls at 0.01 s (peers/flwr_fast_polls/sitecustomize.py says which)
   flwr-24x1       Flower's own layout: 24 SuperNodes with one client each
-  flwr-24x1-fast  the same, polls at 0.01 s
+  flwr-24x1-fast  the same, its 3-s polls at 0.01 s
 
 Per run: seconds per round over rounds 2..R (from round 1's end to round R's); CPU seconds per round in that span
 of every process tree of the deployment, children included (Flower's ClientApp and ServerApp processes; the
@@ -72,9 +72,9 @@ LABELS = {
     "dfca-ifca": "dfca runtime, IFCA k=1 (aggregator), 3 workers x 8 clients",
     "dfca-dfedavgm": "dfca runtime, DFedAvgM complete graph, 3 workers x 8 clients",
     "flwr-3x8": "Flower Deployment Engine, FedAvg, 3 SuperNodes x 8 clients",
-    "flwr-3x8-fast": "the same, polls at 0.01 s",
+    "flwr-3x8-fast": "the same, its 3-s polls at 0.01 s",
     "flwr-24x1": "Flower Deployment Engine, FedAvg, 24 SuperNodes x 1 client",
-    "flwr-24x1-fast": "the same, polls at 0.01 s",
+    "flwr-24x1-fast": "the same, its 3-s polls at 0.01 s",
 }
 
 
