@@ -66,11 +66,13 @@ def run_as_image_user(target: Callable[[], None]) -> tuple[int, str]:
 
 
 def service_main(module: str, env: dict[str, str]) -> Callable[[], None]:
+    main = __import__(module, fromlist=["main"]).main  # imported here: uid 10001 cannot read root's site-packages
+
     def run() -> None:
         os.environ.update(env)
         # an unreachable broker: the service must refuse before it gets that far
         os.environ["DFCA_BROKER_URL"] = "amqp://nobody:nothing@127.0.0.1:1/dfca"
-        __import__(module, fromlist=["main"]).main()
+        main()
     return run
 
 
@@ -122,8 +124,8 @@ def test_a_cuda_worker_without_a_gpu_refuses_to_start_naming_the_likely_cause(tm
     broker, saying why (here: a CPU build of torch, or no /dev/nvidia*)."""
     import torch
 
-    if torch.cuda.is_available():
-        pytest.fail("this test needs a machine without a visible GPU; run it with CUDA_VISIBLE_DEVICES=''")
+    if torch.cuda.is_available():  # a GPU machine: hide its GPUs from this process's torch
+        pytest.fail("run this test with CUDA_VISIBLE_DEVICES='' on a machine with a GPU")
     code, message = run_as_image_user(service_main("services.worker.main", {
         "DFCA_DEVICE": "cuda", "DFCA_CHECKPOINT_DIR": str(tmp_path)}))
     assert code != 0, message
