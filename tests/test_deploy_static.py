@@ -1,5 +1,6 @@
-"""Offline checks of the deployment: k8s/ (GPU) and k8s/cpu (CPU overlay), docker-compose*.yml and
-the Dockerfile are valid, and stay true to the code (entry points, env vars, ports, broker config)."""
+"""Offline checks of the deployment: k8s/ (GPU), the configuration layer k8s-config/ (every preset and the site
+example rendered by kustomize), docker-compose*.yml and the Dockerfile are valid, and stay true to the code (entry
+points, env vars, ports, broker config)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ from deploy_manifest import (
     BROKER_USER_RECORDS,
     COMPOSE_FILE,
     COMPOSE_GPU_FILE,
-    CPU_OVERLAY_DIR,
+    CPU_PRESET_DIR,
     DFCA_SUBCOMMANDS,
     DOCKERFILE,
     K8S_DIR,
+    PRESETS_DIR,
     REPO,
     SECRET_SCRIPT,
+    SITE_EXAMPLE_DIR,
     Manifest,
     broker_configmap_data,
     broker_records_placeholder,
@@ -41,13 +44,14 @@ from deploy_manifest import (
     dockerfile_stages,
     env_names,
     find_manifest,
+    image_repository,
     is_dfca_image,
     load_compose,
     load_manifests,
     manifest_files,
     pod_containers,
     pod_template,
-    render_kustomization,
+    render_overlay,
     resolve_env,
     run_broker_init_container,
     selector_matches,
@@ -61,8 +65,17 @@ from dfca.identity import principals
 from dfca.settings import DEFAULT_PORTS, ENV_VARS
 
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")  # oldest we support and newest bundled
+PRESET_DIRS = {path.name: path for path in sorted(PRESETS_DIR.iterdir()) if (path / "kustomization.yaml").exists()}
+# The node labels each cloud sets on a GPU node from the moment it is created (so that an autoscaler knows them from
+# the pool's template and can scale a pool up from zero): the only labels a preset may require.
+LABELS_THE_CLOUD_SETS = {
+    "gke": {"cloud.google.com/gke-accelerator"},
+    "eks": set(),  # the device plugin alone sets none
+    "gpu-operator": set(),  # nvidia.com/gpu.present comes from GPU Feature Discovery after boot: preferred only
+    "cpu": set(),
+}
+CUSTOM_RESOURCES = {"ServiceMonitor"}  # kinds from CRDs kubernetes-validate has no schema for
 GPU_RESOURCE = "nvidia.com/gpu"
-GPU_NODE_LABEL = "nvidia.com/gpu.present"
 APP_COMPONENTS = {"topology", "metrics", "aggregator", "worker"}
 API_COMPONENTS = {"topology": 8080, "metrics": 8081}
 
@@ -74,7 +87,7 @@ def gpu_manifests() -> list[Manifest]:
 
 @pytest.fixture(scope="module")
 def cpu_manifests() -> list[Manifest]:
-    return with_cluster_secrets(render_kustomization(CPU_OVERLAY_DIR))
+    return with_cluster_secrets(render_overlay(CPU_PRESET_DIR))
 
 
 @pytest.fixture(scope="module", params=["gpu", "cpu"])
@@ -113,7 +126,10 @@ def test_manifests_pass_kubernetes_validate_strict(version: str, tmp_path: Path,
                                                    cpu_manifests: list[Manifest]) -> None:
     rendered = tmp_path / "cpu-rendered.yaml"
     rendered.write_text(yaml.safe_dump_all(cpu_manifests, sort_keys=False))
-    files = [*manifest_files(K8S_DIR), rendered]
+    validate_strict([*manifest_files(K8S_DIR), rendered], version)
+
+
+def validate_strict(files: list[Path], version: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", "-k", version, *map(str, files)],
         capture_output=True, text=True, check=False,
@@ -150,27 +166,17 @@ def test_k8s_top_level_holds_only_plain_manifests_in_the_dfca_namespace(gpu_mani
             assert doc["metadata"]["namespace"] == "dfca", doc["metadata"]["name"]
 
 
-def test_cpu_overlay_lists_every_top_level_manifest() -> None:
-    kustomization = yaml.safe_load((CPU_OVERLAY_DIR / "kustomization.yaml").read_text())
-    listed = {(CPU_OVERLAY_DIR / resource).resolve() for resource in kustomization["resources"]}
-    assert listed == {path.resolve() for path in manifest_files(K8S_DIR)}
-
-
-def test_cpu_overlay_renders_the_same_with_kustomize() -> None:
-    if shutil.which("kubectl"):
-        command = ["kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(CPU_OVERLAY_DIR)]
-    elif shutil.which("kustomize"):
-        command = ["kustomize", "build", "--load-restrictor", "LoadRestrictionsNone", str(CPU_OVERLAY_DIR)]
-    else:
-        pytest.skip("neither kubectl nor kustomize is installed; the built-in renderer is used alone")
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr
-    rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+def test_the_base_kustomization_is_exactly_the_top_level_manifests() -> None:
+    """k8s/Kustomization (no .yaml suffix: `kubectl apply -f k8s/` skips it) lists every file that `kubectl apply -f
+    k8s/` applies, so the configuration layer and the one-command deployment never part."""
+    kustomization = yaml.safe_load((K8S_DIR / "Kustomization").read_text())
+    assert sorted(K8S_DIR / resource for resource in kustomization["resources"]) == manifest_files(K8S_DIR)
+    assert "Kustomization" not in [path.name for path in manifest_files(K8S_DIR)]
 
     def canonical(docs: list[Manifest]) -> list[str]:
         return sorted(json.dumps(doc, sort_keys=True) for doc in docs)
 
-    assert canonical(rendered) == canonical(render_kustomization(CPU_OVERLAY_DIR))
+    assert canonical(render_overlay(K8S_DIR)) == canonical(load_manifests(K8S_DIR))
 
 
 # ---------------------------------------------------------------- true to the code
@@ -296,7 +302,7 @@ def test_secret_and_config_references_resolve(manifests: list[Manifest]) -> None
 
 def test_no_manifest_holds_a_secret_that_reapplying_would_restore() -> None:
     """`kubectl apply -f k8s/` (or the CPU overlay) never carries a Secret: scripts/k8s_secret.sh makes it once."""
-    for docs in (load_manifests(K8S_DIR), render_kustomization(CPU_OVERLAY_DIR)):
+    for docs in (load_manifests(K8S_DIR), *(render_overlay(p) for p in PRESET_DIRS.values())):
         assert not [d for d in docs if d.get("kind") == "Secret"]
     assert "change-me" not in "".join(p.read_text() for p in K8S_DIR.rglob("*.yaml"))
 
@@ -431,11 +437,10 @@ def test_gpu_workers_request_select_and_tolerate_gpus(gpu_manifests: list[Manife
     (container,) = spec["containers"]
     assert int(container["resources"]["limits"][GPU_RESOURCE]) >= 1
     assert {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
-    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert all({"key": GPU_NODE_LABEL, "operator": "In", "values": ["true"]} in t["matchExpressions"] for t in terms)
+    assert "affinity" not in spec and "nodeSelector" not in spec, "the base requires no node label"
     env = resolve_env(container, gpu_manifests, {})
     assert env["DFCA_DEVICE"] == "cuda"
-    assert container["image"].endswith("-cuda")
+    assert image_repository(container["image"]) == "dfca-cuda"
 
 
 def test_cpu_workers_neither_request_nor_select_gpus(cpu_manifests: list[Manifest],
@@ -446,11 +451,10 @@ def test_cpu_workers_neither_request_nor_select_gpus(cpu_manifests: list[Manifes
     assert "tolerations" not in spec and "affinity" not in spec and "nodeSelector" not in spec
     (container,) = spec["containers"]
     assert resolve_env(container, cpu_manifests, {})["DFCA_DEVICE"] == "cpu"
-    assert not container["image"].endswith("-cuda")
+    assert image_repository(container["image"]) == "dfca"
     # Apart from the GPU settings, the CPU variant is the GPU manifest: nothing else drifted.
     gpu_spec = json.loads(json.dumps(pod_template(worker_statefulset(gpu_manifests))["spec"]))
-    for key in ("tolerations", "affinity"):
-        del gpu_spec[key]
+    del gpu_spec["tolerations"]
     gpu_container = gpu_spec["containers"][0]
     del gpu_container["resources"]["limits"][GPU_RESOURCE]
     gpu_container["image"] = container["image"]
@@ -461,7 +465,8 @@ def test_cpu_workers_neither_request_nor_select_gpus(cpu_manifests: list[Manifes
     assert all("nvidia" not in json.dumps(w) for w in cpu_workers)
     others_cpu = [d for d in cpu_manifests if not any(d is w for w in cpu_workers)]
     others_gpu = [d for d in gpu_manifests if not any(d is w for w in gpu_workers)]
-    assert sorted(map(json.dumps, others_cpu)) == sorted(map(json.dumps, others_gpu))
+    assert sorted(json.dumps(d, sort_keys=True) for d in others_cpu) == \
+        sorted(json.dumps(d, sort_keys=True) for d in others_gpu)
 
 
 def test_the_manifests_device_is_where_a_worker_computes(cpu_manifests: list[Manifest], gpu_manifests: list[Manifest],
@@ -609,8 +614,11 @@ def test_network_policies_deny_by_default_and_open_only_broker_and_apis(manifest
 
     default_deny = [p for p in policies if p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")]
     assert any(p["spec"]["policyTypes"] == ["Ingress"] for p in default_deny), "no default-deny ingress policy"
-    broker_rules = allowed("broker")
+    broker_rules = [rule for rule in allowed("broker") if [port["port"] for port in rule["ports"]] != [15692]]
     assert [port["port"] for rule in broker_rules for port in rule["ports"]] == [5672]
+    scrape = [rule for rule in allowed("broker") if [port["port"] for port in rule["ports"]] == [15692]]
+    assert [peer["podSelector"]["matchLabels"] for rule in scrape for peer in rule["from"]] == [
+        {"app.kubernetes.io/name": "prometheus"}], "only Prometheus reaches the broker's metrics port"
     reachers = {name for name, labels in pods.items()
                 for rule in broker_rules for peer in rule["from"]
                 if set(peer) == {"podSelector"} and selector_matches(peer["podSelector"], labels)}
@@ -685,8 +693,11 @@ def test_rabbitmq_init_container_puts_the_principals_into_definitions(
     original = json.loads((BROKER_DIR / "definitions.json").read_text())
     for key in ("vhosts", "exchanges", "queues", "bindings", "policies"):
         assert definitions[key] == original[key]
-    for name in ("rabbitmq.conf", "enabled_plugins"):
-        assert (rendered / name).read_bytes() == (BROKER_DIR / name).read_bytes()
+    assert (rendered / "enabled_plugins").read_bytes() == (BROKER_DIR / "enabled_plugins").read_bytes()
+    ours = (rendered / "rabbitmq.conf").read_text().splitlines()
+    theirs = (BROKER_DIR / "rabbitmq.conf").read_text().splitlines()
+    assert ours[:-1] == [line for line in theirs if not line.startswith("vm_memory_high_watermark.")]
+    assert ours[-1].startswith("vm_memory_high_watermark.absolute = ")
 
 
 @pytest.mark.parametrize("records", ["", '{"name": "x"}', "null", "[1] trailing"])
@@ -797,3 +808,230 @@ def test_compose_runs_each_service_as_its_own_broker_user(tmp_path: Path) -> Non
     shared = rendered("--env-file", str(tmp_path / "empty.env"))
     assert {shared[n]["environment"]["DFCA_BROKER_URL"] for n in ("topology", "worker-0")} == \
         {"amqp://dfca:dfca@rabbitmq:5672/dfca"}
+
+
+# ---------------------------------------------------------------- the configuration layer (k8s-config/)
+
+
+def custom_overlay(tmp_path: Path, body: str) -> Path:
+    """An operator's own overlay outside the repository, over k8s/ and k8s-config's components (folders, which
+    kustomize's default load restrictor lets an overlay anywhere reach)."""
+    overlay = tmp_path / "site"
+    overlay.mkdir()
+    relative = Path(os.path.relpath(REPO, overlay))  # kustomize takes no absolute paths
+    (overlay / "kustomization.yaml").write_text(body.format(k8s=relative / "k8s",
+                                                            components=relative / "k8s-config" / "components"))
+    return overlay
+
+
+CUSTOM_SITE = """apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+namespace: fl-prod
+resources:
+  - {k8s}
+components:
+  - {components}/gpu-eks
+  - {components}/image-pull-secret
+  - {components}/prometheus
+  - {components}/tls
+images:
+  - name: dfca
+    newName: 123456789012.dkr.ecr.eu-west-1.amazonaws.com/dfca
+    newTag: 0.1.0-rc1
+  - name: dfca-cuda
+    newName: 123456789012.dkr.ecr.eu-west-1.amazonaws.com/dfca-cuda
+    newTag: 0.1.0-rc1
+"""
+
+
+def rendered_presets(tmp_path: Path) -> dict[str, list[Manifest]]:
+    overlays = {**PRESET_DIRS, "site-example": SITE_EXAMPLE_DIR, "custom-registry-namespace":
+                custom_overlay(tmp_path, CUSTOM_SITE)}
+    return {name: render_overlay(path) for name, path in overlays.items()}
+
+
+@pytest.fixture(scope="module")
+def presets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Manifest]]:
+    return rendered_presets(tmp_path_factory.mktemp("presets"))
+
+
+def test_the_presets_are_gke_eks_gpu_operator_and_cpu(presets: dict[str, list[Manifest]]) -> None:
+    assert set(PRESET_DIRS) == set(LABELS_THE_CLOUD_SETS)
+    assert set(presets) == {*LABELS_THE_CLOUD_SETS, "site-example", "custom-registry-namespace"}
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_every_preset_and_site_renders_and_validates_strictly(version: str, tmp_path: Path,
+                                                             presets: dict[str, list[Manifest]]) -> None:
+    files = []
+    for name, docs in presets.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump_all([d for d in docs if d["kind"] not in CUSTOM_RESOURCES], sort_keys=False))
+        files.append(path)
+        assert len(workloads(docs)) >= 5, name
+    validate_strict(files, version)
+
+
+def required_node_labels(workload: Manifest) -> set[str]:
+    spec = pod_template(workload)["spec"]
+    labels = set(spec.get("nodeSelector", {}))
+    required = spec.get("affinity", {}).get("nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+    for term in (required or {}).get("nodeSelectorTerms", []):
+        labels |= {expression["key"] for expression in term.get("matchExpressions", [])}
+    return labels
+
+
+def test_no_preset_requires_a_node_label_the_cloud_does_not_set(presets: dict[str, list[Manifest]]) -> None:
+    """GPU pods are placed by their nvidia.com/gpu request and the GPU taint's toleration; a preset may require only
+    a label its cloud sets when it creates the node, so a fresh pool, even one at zero nodes, runs them."""
+    clouds = {**LABELS_THE_CLOUD_SETS, "site-example": LABELS_THE_CLOUD_SETS["gke"],
+              "custom-registry-namespace": LABELS_THE_CLOUD_SETS["eks"]}
+    for name, docs in presets.items():
+        for workload in workloads(docs):
+            extra = required_node_labels(workload) - clouds[name]
+            assert not extra, f"{name}: {workload['metadata']['name']} requires node labels {extra}"
+        workers = worker_statefulsets(docs)
+        for worker in workers:
+            spec = pod_template(worker)["spec"]
+            limits = spec["containers"][0]["resources"]["limits"]
+            if name == "cpu":
+                assert GPU_RESOURCE not in limits and "tolerations" not in spec
+                continue
+            assert int(limits[GPU_RESOURCE]) >= 1, (name, worker["metadata"]["name"])
+            assert {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    gke = required_node_labels(worker_statefulsets(presets["gke"])[0])
+    assert gke == {"cloud.google.com/gke-accelerator"}
+
+
+def test_a_site_sets_registry_tag_namespace_pull_secret_and_workers(presets: dict[str, list[Manifest]],
+                                                                    tmp_path: Path) -> None:
+    for name, namespace, registry in (("site-example", "ml-team", "registry.example.com/ml-team/"),
+                                      ("custom-registry-namespace", "fl-prod",
+                                       "123456789012.dkr.ecr.eu-west-1.amazonaws.com/")):
+        docs = presets[name]
+        namespaces = [d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"]
+        assert namespaces == [namespace], name
+        assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {namespace}
+        for workload in workloads(docs):
+            spec = pod_template(workload)["spec"]
+            assert spec["imagePullSecrets"] == [{"name": "dfca-registry"}], workload["metadata"]["name"]
+            for container in dfca_containers(workload):
+                assert container["image"].startswith(registry), container["image"]
+        assert "dfca-cuda" in pod_template(worker_statefulsets(docs)[0])["spec"]["containers"][0]["image"]
+    site = presets["site-example"]
+    workers = worker_statefulsets(site)
+    assert len(workers) == int(find_manifest(site, "ConfigMap", "dfca-config")["data"]["DFCA_WORKERS"]) == 3
+    shutil.copytree(SITE_EXAMPLE_DIR, tmp_path / "site")
+    script = REPO / "scripts" / "k8s_workers.py"
+    made = subprocess.run([sys.executable, str(script), "3", "--overlay", str(tmp_path / "site")],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    for generated in ("workers.yaml", "workers-patch.yaml"):
+        assert (tmp_path / "site" / generated).read_text() == (SITE_EXAMPLE_DIR / generated).read_text()
+
+
+def test_k8s_workers_overlay_resizes_without_touching_k8s(tmp_path: Path) -> None:
+    """`k8s_workers.py N --overlay DIR` for fewer and more workers than k8s/: N StatefulSets, each its own ordinal
+    and broker user, DFCA_WORKERS = N, and k8s/ unchanged."""
+    before = {path.name: path.read_text() for path in manifest_files(K8S_DIR)}
+    for workers in (1, 4):
+        (tmp_path / str(workers)).mkdir()
+        overlay = custom_overlay(tmp_path / str(workers), """apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - {k8s}
+  - workers.yaml
+patches:
+  - path: workers-patch.yaml
+""")
+        made = subprocess.run([sys.executable, str(REPO / "scripts" / "k8s_workers.py"), str(workers), "--overlay",
+                               str(overlay)], capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stderr
+        docs = with_cluster_secrets(render_overlay(overlay))
+        statefulsets = worker_statefulsets(docs)
+        assert [s["metadata"]["name"] for s in statefulsets] == [f"worker-{i}" for i in range(workers)]
+        assert find_manifest(docs, "ConfigMap", "dfca-config")["data"]["DFCA_WORKERS"] == str(workers)
+        for ordinal, statefulset in enumerate(statefulsets):
+            env = resolve_env(pod_template(statefulset)["spec"]["containers"][0], docs, {})
+            assert env["DFCA_WORKER_ORDINAL"] == str(ordinal)
+            assert urlsplit(env["DFCA_BROKER_URL"]).username == principals.user_of(principals.worker(ordinal))
+    assert before == {path.name: path.read_text() for path in manifest_files(K8S_DIR)}
+
+
+def test_the_tls_component_serves_https_and_every_pod_trusts_the_ca(presets: dict[str, list[Manifest]]) -> None:
+    docs = presets["site-example"]
+    config = find_manifest(docs, "ConfigMap", "dfca-config")["data"]
+    assert config["DFCA_TOPOLOGY_URL"].startswith("https://") and config["DFCA_METRICS_URL"].startswith("https://")
+    for workload in workloads(docs):
+        for container in dfca_containers(workload):
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            assert mounts.get("/etc/dfca/tls") == "tls", workload["metadata"]["name"]
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            serves = component(workload) in API_COMPONENTS
+            assert ("DFCA_TLS_CERT" in env) == serves and ("DFCA_TLS_KEY" in env) == serves
+            if serves:
+                assert {container[p]["httpGet"]["scheme"] for p in
+                        ("startupProbe", "livenessProbe", "readinessProbe")} == {"HTTPS"}
+    assert config["SSL_CERT_FILE"] == "/etc/dfca/tls/ca.crt"
+
+
+def test_the_prometheus_component_monitors_the_broker_and_the_metrics_service(
+        presets: dict[str, list[Manifest]]) -> None:
+    docs = presets["custom-registry-namespace"]
+    monitors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceMonitor"}
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    for monitor in monitors.values():
+        port = monitor["spec"]["endpoints"][0]["port"]
+        scraped = [s for s in services.values() if port in {p["name"] for p in s["spec"]["ports"]}
+                   and selector_matches(monitor["spec"]["selector"], s["metadata"]["labels"])]
+        assert len(scraped) == 1, monitor["metadata"]["name"]
+    assert set(monitors) == {"rabbitmq", "dfca-metrics"}
+
+
+def test_single_pods_have_disruption_budgets_that_block_evictions(manifests: list[Manifest]) -> None:
+    pdbs = [doc for doc in manifests if doc["kind"] == "PodDisruptionBudget"]
+    for workload in workloads(manifests):
+        if component(workload) == "worker":
+            continue
+        labels = pod_template(workload)["metadata"]["labels"]
+        covering = [p for p in pdbs if selector_matches(p["spec"]["selector"], labels)]
+        assert len(covering) == 1 and covering[0]["spec"]["maxUnavailable"] == 0, workload["metadata"]["name"]
+
+
+def test_rabbitmq_watermark_is_absolute_and_derived_from_the_memory_limit(gpu_manifests: list[Manifest],
+                                                                          tmp_path: Path) -> None:
+    result = run_broker_init_container(gpu_manifests, broker_secret_files(gpu_manifests), tmp_path)
+    assert result.returncode == 0, result.stderr
+    conf = (tmp_path / "config" / "rabbitmq.conf").read_text()
+    assert "vm_memory_high_watermark.relative" not in conf
+    (value,) = re.findall(r"^vm_memory_high_watermark\.absolute = (\d+)$", conf, re.M)
+    broker = pod_template(find_manifest(gpu_manifests, "StatefulSet", "rabbitmq"))["spec"]["containers"][0]
+    assert broker["resources"]["limits"]["memory"] == "2Gi"
+    assert int(value) == 2 * 2**30 * 6 // 10
+    annotations = pod_template(find_manifest(gpu_manifests, "StatefulSet", "rabbitmq"))["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == "15692"
+
+
+def test_egress_is_denied_but_dns_and_the_dfca_services(manifests: list[Manifest]) -> None:
+    policies = [doc for doc in manifests if doc["kind"] == "NetworkPolicy" and "Egress" in doc["spec"]["policyTypes"]]
+    pods = pod_labels_by_component(manifests)
+    assert any(p["spec"]["podSelector"] == {} for p in policies), "no default-deny egress policy"
+    for name, labels in pods.items():
+        rules = [r for p in policies if selector_matches(p["spec"]["podSelector"], labels) for r in p["spec"]["egress"]]
+        anywhere = {port["port"] for rule in rules if "to" not in rule for port in rule["ports"]}
+        assert anywhere == {53}, (name, anywhere)
+        reached = {target for rule in rules for peer in rule.get("to", []) for target, target_labels in pods.items()
+                   if selector_matches(peer.get("podSelector", {}), target_labels)}
+        if name in APP_COMPONENTS:
+            assert reached == {"broker", "topology", "metrics"}, (name, reached)
+        else:
+            assert reached == set(), name
+
+
+def test_workers_mount_their_own_data_volume_read_only(manifests: list[Manifest]) -> None:
+    for worker in worker_statefulsets(manifests):
+        (container,) = pod_template(worker)["spec"]["containers"]
+        env = resolve_env(container, manifests, {})
+        mount = next(m for m in container["volumeMounts"] if m["mountPath"] == env["DFCA_DATA_DIR"])
+        assert env["DFCA_DATA_DIR"] == "/var/lib/dfca/data" and mount.get("readOnly") is True
+        assert mount["name"] in {t["metadata"]["name"] for t in worker["spec"]["volumeClaimTemplates"]}
