@@ -403,23 +403,39 @@ def dockerfile_entrypoint(text: str) -> list[str]:
     return exec_form(entrypoints[-1])
 
 
-_COMPOSE_VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+_COMPOSE_VARIABLE = re.compile(r"\$\{(\w+)(?:(:?-|:?\?)([^}]*))?\}")
 
 
-def compose_defaults(value: Any) -> Any:
-    """A compose document as `docker compose` sees it with no variables set: ${NAME:-default} ->
-    default, ${NAME} -> ''."""
+def compose_stand_in_env(workers: int = 3) -> dict[str, str]:
+    """What scripts/compose_broker_users.sh puts in .env, with stand-in passwords."""
+    from dfca.identity.broker_users import env_name
+
+    urls = {env_name(p): principal_url(p, broker_test_password(p), "rabbitmq", 5672) for p in principals_of(workers)}
+    return {**urls, "DFCA_BROKER_DEFINITIONS": "./.dfca/broker-definitions.json"}
+
+
+def compose_defaults(value: Any, env: Mapping[str, str] | None = None) -> Any:
+    """A compose document as `docker compose` sees it with `env` set (by default what compose_broker_users.sh
+    writes): ${NAME:-default} -> env or default, ${NAME} -> env or '', ${NAME:?error} -> env, else ValueError."""
+    env = compose_stand_in_env() if env is None else env
     if isinstance(value, dict):
-        return {key: compose_defaults(item) for key, item in value.items()}
+        return {key: compose_defaults(item, env) for key, item in value.items()}
     if isinstance(value, list):
-        return [compose_defaults(item) for item in value]
+        return [compose_defaults(item, env) for item in value]
     if isinstance(value, str):
-        return _COMPOSE_VARIABLE.sub(lambda m: m.group(2) or "", value)
+        def substitute(match: re.Match[str]) -> str:
+            name, operator, word = match.group(1), match.group(2) or "", match.group(3) or ""
+            if env.get(name):
+                return env[name]
+            if "?" in operator:
+                raise ValueError(f"{name} is required: {word}")
+            return word
+        return _COMPOSE_VARIABLE.sub(substitute, value)
     return value
 
 
-def load_compose(path: Path) -> dict[str, Any]:
-    return compose_defaults(yaml.safe_load(path.read_text()))
+def load_compose(path: Path, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    return compose_defaults(yaml.safe_load(path.read_text()), env)
 
 
 def compose_argv(service: Mapping[str, Any], image_entrypoint: list[str]) -> list[str]:

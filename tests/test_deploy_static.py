@@ -32,13 +32,13 @@ from deploy_manifest import (
     PRESETS_DIR,
     REPO,
     SECRET_SCRIPT,
-    SITE_EXAMPLE_DIR,
     Manifest,
     broker_configmap_data,
     broker_records_placeholder,
     broker_secret_files,
     compose_argv,
     compose_environment,
+    compose_stand_in_env,
     container_argv,
     dockerfile_entrypoint,
     dockerfile_stages,
@@ -148,11 +148,13 @@ def test_yaml_lints_clean() -> None:
 
 
 @pytest.mark.parametrize("files", [[COMPOSE_FILE], [COMPOSE_FILE, COMPOSE_GPU_FILE]], ids=["cpu", "gpu"])
-def test_compose_config_is_valid(files: list[Path]) -> None:
+def test_compose_config_is_valid(files: list[Path], tmp_path: Path) -> None:
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose (Debian package docker-compose) is not installed")
+    env_file = tmp_path / "compose.env"
+    env_file.write_text("".join(f"{key}={value}\n" for key, value in compose_stand_in_env().items()))
     args = [arg for path in files for arg in ("-f", str(path))]
-    result = subprocess.run(["docker-compose", *args, "config", "-q"], cwd=REPO,
+    result = subprocess.run(["docker-compose", "--env-file", str(env_file), *args, "config", "-q"], cwd=REPO,
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -523,7 +525,7 @@ def test_compose_workers_have_distinct_ordinals_and_volumes(compose: dict[str, A
     assert sorted(int(e["DFCA_WORKER_ORDINAL"]) for e in envs.values()) == list(range(len(workers)))
     assert all(f"worker-{e['DFCA_WORKER_ORDINAL']}" == n for n, e in envs.items())
     assert {int(e["DFCA_WORKERS"]) for e in envs.values()} == {len(workers)}
-    checkpoint_volumes = [v for s in workers.values() for v in s["volumes"]]
+    checkpoint_volumes = [v for s in workers.values() for v in s["volumes"] if v.endswith(":/var/lib/dfca/checkpoints")]
     assert len(set(checkpoint_volumes)) == len(workers)
     assert all(e["DFCA_DEVICE"] == "cpu" for e in envs.values())
     assert "nvidia" not in json.dumps(compose)
@@ -781,257 +783,64 @@ def test_chaos_script_parses() -> None:
 
 def test_compose_runs_each_service_as_its_own_broker_user(tmp_path: Path) -> None:
     """scripts/compose_broker_users.sh's env file gives every compose service its own principal's URL and the
-    broker the generated definitions; without it every service falls back to the development user."""
+    broker the generated definitions; without it `up` refuses, naming the script; --shared-user is the explicit
+    opt-in to the development user."""
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose (Debian package docker-compose) is not installed")
-    env_file, definitions = tmp_path / "compose.env", tmp_path / "definitions.json"
-    made = subprocess.run([sys.executable, "-m", "dfca.identity.broker_users", "definitions", "--workers", "3",
-                           "--host", "rabbitmq", "--out", str(tmp_path / "urls.json"), "--compose-env", str(env_file),
-                           "--definitions-path", str(definitions)], capture_output=True, text=True, check=False)
+    env_file = tmp_path / "compose.env"
+    script = REPO / "scripts" / "compose_broker_users.sh"
+    script_env = {**os.environ, "ENV_FILE": str(env_file), "PYTHON": sys.executable}
+    made = subprocess.run(["bash", str(script)], env=script_env, capture_output=True, text=True, check=False,
+                          timeout=120)
     assert made.returncode == 0, made.stderr
-    definitions.write_text(made.stdout)
     assert env_file.stat().st_mode & 0o077 == 0
 
-    def rendered(*env: str) -> dict[str, Any]:
-        done = subprocess.run(["docker-compose", *env, "-f", str(COMPOSE_FILE), "config"], cwd=REPO,
+    def rendered(*env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["docker-compose", *env, "-f", str(COMPOSE_FILE), "config"], cwd=REPO,
                               capture_output=True, text=True, check=False)
-        assert done.returncode == 0, done.stderr
-        return yaml.safe_load(done.stdout)["services"]
 
-    services = rendered("--env-file", str(env_file))
+    done = rendered("--env-file", str(env_file))
+    assert done.returncode == 0, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
     for name in ("topology", "metrics", "worker-0", "worker-1", "worker-2"):
         url = services[name]["environment"]["DFCA_BROKER_URL"]
         assert url.startswith(f"amqp://dfca-{name}:") and url.endswith("@rabbitmq:5672/dfca"), (name, url)
     mounts = [str(v) for v in services["rabbitmq"]["volumes"]]
-    assert any(str(definitions) in v and "/etc/rabbitmq/definitions.json" in v for v in mounts), mounts
+    assert any(".dfca/broker-definitions.json" in v and "/etc/rabbitmq/definitions.json" in v for v in mounts), mounts
     (tmp_path / "empty.env").write_text("")
-    shared = rendered("--env-file", str(tmp_path / "empty.env"))
-    assert {shared[n]["environment"]["DFCA_BROKER_URL"] for n in ("topology", "worker-0")} == \
+    refused = rendered("--env-file", str(tmp_path / "empty.env"))
+    assert refused.returncode != 0 and "scripts/compose_broker_users.sh" in refused.stderr, refused.stderr
+    shared_env = tmp_path / "shared.env"
+    opted = subprocess.run(["bash", str(script), "--shared-user"], env={**script_env, "ENV_FILE": str(shared_env)},
+                           capture_output=True, text=True, check=False, timeout=120)
+    assert opted.returncode == 0 and "WARNING" in opted.stderr, opted.stderr
+    done = rendered("--env-file", str(shared_env))
+    assert done.returncode == 0, done.stderr
+    shared = yaml.safe_load(done.stdout)["services"]
+    assert {shared[n]["environment"]["DFCA_BROKER_URL"] for n in ("topology", "worker-0", "worker-2")} == \
         {"amqp://dfca:dfca@rabbitmq:5672/dfca"}
 
 
-# ---------------------------------------------------------------- the configuration layer (k8s-config/)
-
-
-def custom_overlay(tmp_path: Path, body: str) -> Path:
-    """An operator's own overlay outside the repository, over k8s/ and k8s-config's components (folders, which
-    kustomize's default load restrictor lets an overlay anywhere reach)."""
-    overlay = tmp_path / "site"
-    overlay.mkdir()
-    relative = Path(os.path.relpath(REPO, overlay))  # kustomize takes no absolute paths
-    (overlay / "kustomization.yaml").write_text(body.format(k8s=relative / "k8s",
-                                                            components=relative / "k8s-config" / "components"))
-    return overlay
-
-
-CUSTOM_SITE = """apiVersion: kustomize.config.k8s.io/v1beta1
-kind: Kustomization
-namespace: fl-prod
-resources:
-  - {k8s}
-components:
-  - {components}/gpu-eks
-  - {components}/image-pull-secret
-  - {components}/prometheus
-  - {components}/tls
-images:
-  - name: dfca
-    newName: 123456789012.dkr.ecr.eu-west-1.amazonaws.com/dfca
-    newTag: 0.1.0-rc1
-  - name: dfca-cuda
-    newName: 123456789012.dkr.ecr.eu-west-1.amazonaws.com/dfca-cuda
-    newTag: 0.1.0-rc1
-"""
-
-
-def rendered_presets(tmp_path: Path) -> dict[str, list[Manifest]]:
-    overlays = {**PRESET_DIRS, "site-example": SITE_EXAMPLE_DIR, "custom-registry-namespace":
-                custom_overlay(tmp_path, CUSTOM_SITE)}
-    return {name: render_overlay(path) for name, path in overlays.items()}
-
-
-@pytest.fixture(scope="module")
-def presets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Manifest]]:
-    return rendered_presets(tmp_path_factory.mktemp("presets"))
-
-
-def test_the_presets_are_gke_eks_gpu_operator_and_cpu(presets: dict[str, list[Manifest]]) -> None:
-    assert set(PRESET_DIRS) == set(LABELS_THE_CLOUD_SETS)
-    assert set(presets) == {*LABELS_THE_CLOUD_SETS, "site-example", "custom-registry-namespace"}
-
-
-@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-def test_every_preset_and_site_renders_and_validates_strictly(version: str, tmp_path: Path,
-                                                             presets: dict[str, list[Manifest]]) -> None:
-    files = []
-    for name, docs in presets.items():
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump_all([d for d in docs if d["kind"] not in CUSTOM_RESOURCES], sort_keys=False))
-        files.append(path)
-        assert len(workloads(docs)) >= 5, name
-    validate_strict(files, version)
-
-
-def required_node_labels(workload: Manifest) -> set[str]:
-    spec = pod_template(workload)["spec"]
-    labels = set(spec.get("nodeSelector", {}))
-    required = spec.get("affinity", {}).get("nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution")
-    for term in (required or {}).get("nodeSelectorTerms", []):
-        labels |= {expression["key"] for expression in term.get("matchExpressions", [])}
-    return labels
-
-
-def test_no_preset_requires_a_node_label_the_cloud_does_not_set(presets: dict[str, list[Manifest]]) -> None:
-    """GPU pods are placed by their nvidia.com/gpu request and the GPU taint's toleration; a preset may require only
-    a label its cloud sets when it creates the node, so a fresh pool, even one at zero nodes, runs them."""
-    clouds = {**LABELS_THE_CLOUD_SETS, "site-example": LABELS_THE_CLOUD_SETS["gke"],
-              "custom-registry-namespace": LABELS_THE_CLOUD_SETS["eks"]}
-    for name, docs in presets.items():
-        for workload in workloads(docs):
-            extra = required_node_labels(workload) - clouds[name]
-            assert not extra, f"{name}: {workload['metadata']['name']} requires node labels {extra}"
-        workers = worker_statefulsets(docs)
-        for worker in workers:
-            spec = pod_template(worker)["spec"]
-            limits = spec["containers"][0]["resources"]["limits"]
-            if name == "cpu":
-                assert GPU_RESOURCE not in limits and "tolerations" not in spec
-                continue
-            assert int(limits[GPU_RESOURCE]) >= 1, (name, worker["metadata"]["name"])
-            assert {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
-    gke = required_node_labels(worker_statefulsets(presets["gke"])[0])
-    assert gke == {"cloud.google.com/gke-accelerator"}
-
-
-def test_a_site_sets_registry_tag_namespace_pull_secret_and_workers(presets: dict[str, list[Manifest]],
-                                                                    tmp_path: Path) -> None:
-    for name, namespace, registry in (("site-example", "ml-team", "registry.example.com/ml-team/"),
-                                      ("custom-registry-namespace", "fl-prod",
-                                       "123456789012.dkr.ecr.eu-west-1.amazonaws.com/")):
-        docs = presets[name]
-        namespaces = [d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"]
-        assert namespaces == [namespace], name
-        assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {namespace}
-        for workload in workloads(docs):
-            spec = pod_template(workload)["spec"]
-            assert spec["imagePullSecrets"] == [{"name": "dfca-registry"}], workload["metadata"]["name"]
-            for container in dfca_containers(workload):
-                assert container["image"].startswith(registry), container["image"]
-        assert "dfca-cuda" in pod_template(worker_statefulsets(docs)[0])["spec"]["containers"][0]["image"]
-    site = presets["site-example"]
-    workers = worker_statefulsets(site)
-    assert len(workers) == int(find_manifest(site, "ConfigMap", "dfca-config")["data"]["DFCA_WORKERS"]) == 3
-    shutil.copytree(SITE_EXAMPLE_DIR, tmp_path / "site")
-    script = REPO / "scripts" / "k8s_workers.py"
-    made = subprocess.run([sys.executable, str(script), "3", "--overlay", str(tmp_path / "site")],
-                          capture_output=True, text=True, timeout=60)
-    assert made.returncode == 0, made.stderr
-    for generated in ("workers.yaml", "workers-patch.yaml"):
-        assert (tmp_path / "site" / generated).read_text() == (SITE_EXAMPLE_DIR / generated).read_text()
-
-
-def test_k8s_workers_overlay_resizes_without_touching_k8s(tmp_path: Path) -> None:
-    """`k8s_workers.py N --overlay DIR` for fewer and more workers than k8s/: N StatefulSets, each its own ordinal
-    and broker user, DFCA_WORKERS = N, and k8s/ unchanged."""
-    before = {path.name: path.read_text() for path in manifest_files(K8S_DIR)}
-    for workers in (1, 4):
-        (tmp_path / str(workers)).mkdir()
-        overlay = custom_overlay(tmp_path / str(workers), """apiVersion: kustomize.config.k8s.io/v1beta1
-kind: Kustomization
-resources:
-  - {k8s}
-  - workers.yaml
-patches:
-  - path: workers-patch.yaml
-""")
-        made = subprocess.run([sys.executable, str(REPO / "scripts" / "k8s_workers.py"), str(workers), "--overlay",
-                               str(overlay)], capture_output=True, text=True, timeout=60)
-        assert made.returncode == 0, made.stderr
-        docs = with_cluster_secrets(render_overlay(overlay))
-        statefulsets = worker_statefulsets(docs)
-        assert [s["metadata"]["name"] for s in statefulsets] == [f"worker-{i}" for i in range(workers)]
-        assert find_manifest(docs, "ConfigMap", "dfca-config")["data"]["DFCA_WORKERS"] == str(workers)
-        for ordinal, statefulset in enumerate(statefulsets):
-            env = resolve_env(pod_template(statefulset)["spec"]["containers"][0], docs, {})
-            assert env["DFCA_WORKER_ORDINAL"] == str(ordinal)
-            assert urlsplit(env["DFCA_BROKER_URL"]).username == principals.user_of(principals.worker(ordinal))
-    assert before == {path.name: path.read_text() for path in manifest_files(K8S_DIR)}
-
-
-def test_the_tls_component_serves_https_and_every_pod_trusts_the_ca(presets: dict[str, list[Manifest]]) -> None:
-    docs = presets["site-example"]
-    config = find_manifest(docs, "ConfigMap", "dfca-config")["data"]
-    assert config["DFCA_TOPOLOGY_URL"].startswith("https://") and config["DFCA_METRICS_URL"].startswith("https://")
-    for workload in workloads(docs):
-        for container in dfca_containers(workload):
-            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-            assert mounts.get("/etc/dfca/tls") == "tls", workload["metadata"]["name"]
-            env = {e["name"]: e.get("value") for e in container["env"]}
-            serves = component(workload) in API_COMPONENTS
-            assert ("DFCA_TLS_CERT" in env) == serves and ("DFCA_TLS_KEY" in env) == serves
-            if serves:
-                assert {container[p]["httpGet"]["scheme"] for p in
-                        ("startupProbe", "livenessProbe", "readinessProbe")} == {"HTTPS"}
-    assert config["SSL_CERT_FILE"] == "/etc/dfca/tls/ca.crt"
-
-
-def test_the_prometheus_component_monitors_the_broker_and_the_metrics_service(
-        presets: dict[str, list[Manifest]]) -> None:
-    docs = presets["custom-registry-namespace"]
-    monitors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceMonitor"}
-    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
-    for monitor in monitors.values():
-        port = monitor["spec"]["endpoints"][0]["port"]
-        scraped = [s for s in services.values() if port in {p["name"] for p in s["spec"]["ports"]}
-                   and selector_matches(monitor["spec"]["selector"], s["metadata"]["labels"])]
-        assert len(scraped) == 1, monitor["metadata"]["name"]
-    assert set(monitors) == {"rabbitmq", "dfca-metrics"}
-
-
-def test_single_pods_have_disruption_budgets_that_block_evictions(manifests: list[Manifest]) -> None:
-    pdbs = [doc for doc in manifests if doc["kind"] == "PodDisruptionBudget"]
-    for workload in workloads(manifests):
-        if component(workload) == "worker":
-            continue
-        labels = pod_template(workload)["metadata"]["labels"]
-        covering = [p for p in pdbs if selector_matches(p["spec"]["selector"], labels)]
-        assert len(covering) == 1 and covering[0]["spec"]["maxUnavailable"] == 0, workload["metadata"]["name"]
-
-
-def test_rabbitmq_watermark_is_absolute_and_derived_from_the_memory_limit(gpu_manifests: list[Manifest],
-                                                                          tmp_path: Path) -> None:
-    result = run_broker_init_container(gpu_manifests, broker_secret_files(gpu_manifests), tmp_path)
-    assert result.returncode == 0, result.stderr
-    conf = (tmp_path / "config" / "rabbitmq.conf").read_text()
-    assert "vm_memory_high_watermark.relative" not in conf
-    (value,) = re.findall(r"^vm_memory_high_watermark\.absolute = (\d+)$", conf, re.M)
-    broker = pod_template(find_manifest(gpu_manifests, "StatefulSet", "rabbitmq"))["spec"]["containers"][0]
-    assert broker["resources"]["limits"]["memory"] == "2Gi"
-    assert int(value) == 2 * 2**30 * 6 // 10
-    annotations = pod_template(find_manifest(gpu_manifests, "StatefulSet", "rabbitmq"))["metadata"]["annotations"]
-    assert annotations["prometheus.io/port"] == "15692"
-
-
-def test_egress_is_denied_but_dns_and_the_dfca_services(manifests: list[Manifest]) -> None:
-    policies = [doc for doc in manifests if doc["kind"] == "NetworkPolicy" and "Egress" in doc["spec"]["policyTypes"]]
-    pods = pod_labels_by_component(manifests)
-    assert any(p["spec"]["podSelector"] == {} for p in policies), "no default-deny egress policy"
-    for name, labels in pods.items():
-        rules = [r for p in policies if selector_matches(p["spec"]["podSelector"], labels) for r in p["spec"]["egress"]]
-        anywhere = {port["port"] for rule in rules if "to" not in rule for port in rule["ports"]}
-        assert anywhere == {53}, (name, anywhere)
-        reached = {target for rule in rules for peer in rule.get("to", []) for target, target_labels in pods.items()
-                   if selector_matches(peer.get("podSelector", {}), target_labels)}
-        if name in APP_COMPONENTS:
-            assert reached == {"broker", "topology", "metrics"}, (name, reached)
-        else:
-            assert reached == set(), name
-
-
-def test_workers_mount_their_own_data_volume_read_only(manifests: list[Manifest]) -> None:
-    for worker in worker_statefulsets(manifests):
-        (container,) = pod_template(worker)["spec"]["containers"]
-        env = resolve_env(container, manifests, {})
-        mount = next(m for m in container["volumeMounts"] if m["mountPath"] == env["DFCA_DATA_DIR"])
-        assert env["DFCA_DATA_DIR"] == "/var/lib/dfca/data" and mount.get("readOnly") is True
-        assert mount["name"] in {t["metadata"]["name"] for t in worker["spec"]["volumeClaimTemplates"]}
+def test_compose_mounts_folders_the_image_makes_and_keeps_state_on_them(compose: dict[str, Any]) -> None:
+    """Every folder a compose service mounts below /var/lib/dfca exists in the image, owned by its user (a fresh
+    named volume there inherits that), and each service's state (topology records, metrics database, checkpoints)
+    lives on a volume, not in the container; each worker reads its own data folder, read-only."""
+    created = set(re.findall(r"(/var/lib/dfca/\w+)", DOCKERFILE.read_text()))
+    data_sources = []
+    for name, service in compose_dfca_services(compose).items():
+        mounts = {}
+        for volume in service.get("volumes", []):
+            source, target, *mode = volume.split(":")
+            mounts[target] = (source, mode)
+            assert target in created, (name, target)
+        env = compose_environment(service)
+        kind = name.split("-")[0]
+        state = {"topology": env.get("DFCA_CHECKPOINT_DIR"), "worker": env.get("DFCA_CHECKPOINT_DIR"),
+                 "aggregator": "/var/lib/dfca/checkpoints",
+                 "metrics": env.get("DFCA_METRICS_DB_URL", "").removeprefix("sqlite:///").rsplit("/", 1)[0]}[kind]
+        assert state in mounts and not mounts[state][0].startswith("."), (name, state)
+        if kind == "worker":
+            source, mode = mounts[env["DFCA_DATA_DIR"]]
+            assert mode == ["ro"] and source.endswith(f"/{name}"), (name, source)
+            data_sources.append(source)
+    assert len(set(data_sources)) == 3
