@@ -213,7 +213,11 @@ run_experiment() {
   done
   heal
   log "$label experiment $experiment completed after $kills pod deletions"
-  api GET "$METRICS_URL/experiments/$experiment/summary"
+  for _ in $(seq 1 30); do  # the metrics pod may itself be coming back from a kill
+    api GET "$METRICS_URL/experiments/$experiment/summary" 2>/dev/null && return 0
+    sleep 2
+  done
+  die "no summary of $experiment from the metrics service"
 }
 
 [ -n "$API_URL" ] || port_forward topology 8080 API_URL
