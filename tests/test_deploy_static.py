@@ -310,13 +310,19 @@ def test_no_manifest_holds_a_secret_that_reapplying_would_restore() -> None:
 
 
 FAKE_KUBECTL = """#!/usr/bin/env bash
-# A stand-in kubectl keeping Secrets as folders below $STATE: `-n NS get|create|label|delete secret ...`.
+# A stand-in kubectl keeping Secrets as folders below $STATE: `-n NS get|create|label|delete secret ...`, and
+# `exec` (the broker's rabbitmqctl import_definitions) saving its input.
 set -euo pipefail
 echo "$*" >> "$STATE/calls"
 shift 2
 verb="$1"; shift
 case "$verb" in
-  get) [ -d "$STATE/$2" ] ;;
+  get)
+    [ -d "$STATE/$2" ]
+    case "$*" in
+      *jsonpath=*) key=$(printf '%s' "$*" | sed -n 's/.*jsonpath={.data.\\(.*\\)}$/\\1/p' | tr -d '\\\\')
+                   base64 -w0 "$STATE/$2/$key" ;;
+    esac ;;
   create)
     name="$3"; shift 3; mkdir "$STATE/$name"
     for arg in "$@"; do
@@ -326,7 +332,13 @@ case "$verb" in
       esac
     done ;;
   label) name="$2"; [ -d "$STATE/$name" ]; shift 2; printf '%s\\n' "$@" >> "$STATE/$name.labels" ;;
-  delete) for d in "$STATE"/dfca-broker-*/; do [ -d "$d" ] && rm -r "$d"; done; true ;;
+  delete)
+    if [ "$2" = "-l" ]; then
+      for d in "$STATE"/dfca-broker-*/; do [ -d "$d" ] && rm -r "$d"; done; true
+    else
+      rm -rf "${STATE:?}/$2"
+    fi ;;
+  exec) cat > "$STATE/imported.json" ;;
 esac
 """
 
@@ -375,8 +387,20 @@ def test_the_secret_script_makes_tokens_and_one_broker_user_per_principal_once(t
     assert again.returncode == 0, again.stderr
     assert "kept as it is" in again.stdout and "kept as they are" in again.stdout
     assert " create " not in (state / "calls").read_text()[len(calls):]
+    urls = {p: (state / f"dfca-broker-{p}" / "url").read_text() for p in wanted}
     resized = run_secret_script(tmp_path, workers=workers + 1)
-    assert resized.returncode != 0 and "delete secret -l dfca.dev/broker-users=true" in resized.stderr
+    assert resized.returncode == 0, resized.stderr
+    assert "imported them into the running broker" in resized.stdout
+    new = principals.worker(workers)
+    assert {p: (state / f"dfca-broker-{p}" / "url").read_text() for p in wanted} == urls, "nobody re-passworded"
+    assert (state / f"dfca-broker-{new}" / "url").read_text().startswith(f"amqp://{principals.user_of(new)}:")
+    merged = {f.name: json.loads(f.read_text()) for f in (state / "dfca-broker-users").iterdir()}
+    assert {u["name"] for u in merged["users.json"]} == {principals.user_of(p) for p in [*wanted, new]}
+    assert merged["users.json"][:len(records["users.json"])] == records["users.json"]
+    imported = json.loads((state / "imported.json").read_text())
+    assert [u["name"] for u in imported["users"]] == [principals.user_of(new)]
+    assert {p["user"] for p in imported["permissions"]} == {principals.user_of(new)}
+    assert " rabbitmqctl import_definitions" in (state / "calls").read_text()
 
 
 def test_each_workload_holds_only_its_own_broker_user(manifests: list[Manifest]) -> None:
