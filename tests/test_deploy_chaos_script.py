@@ -260,6 +260,7 @@ class Supervisor:
 
 @pytest.mark.rabbitmq
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two runs of the experiment (unfaulted, faulted) and a cluster's start
 def test_chaos_script_on_real_processes_hard_kills_and_partitions_within_tolerance(tmp_path: Path) -> None:
     from deploy_cluster import local_cluster, tiny_experiment
 
@@ -276,7 +277,7 @@ def test_chaos_script_on_real_processes_hard_kills_and_partitions_within_toleran
             ["bash", str(SCRIPT), "-i", "3", "-k", "3", "-p", "0.5", "-t", "900", "--hard", "--partition", "4",
              "--accuracy-tolerance", "2", "--ari-tolerance", "0.1", "--api-url", cluster.url("topology"),
              "--metrics-url", cluster.url("metrics"), str(config)],
-            env=env, capture_output=True, text=True, timeout=1800, check=False)
+            env=env, capture_output=True, text=True, timeout=1700, check=False)
         logs = "\n".join(cluster.log_tail(name) for name in cluster.specs)
     assert result.returncode == 0, result.stderr + logs[-4000:]
     calls = (tmp_path / "cluster" / "kubectl.log").read_text().splitlines()
