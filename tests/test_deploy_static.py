@@ -139,7 +139,7 @@ def validate_strict(files: list[Path], version: str) -> None:
 
 
 def test_yaml_lints_clean() -> None:
-    targets = [K8S_DIR, COMPOSE_FILE, COMPOSE_GPU_FILE, REPO / ".yamllint"]
+    targets = [K8S_DIR, REPO / "k8s-config", COMPOSE_FILE, COMPOSE_GPU_FILE, REPO / ".yamllint"]
     result = subprocess.run(
         [sys.executable, "-m", "yamllint", "--strict", "-c", str(REPO / ".yamllint"), *map(str, targets)],
         capture_output=True, text=True, check=False,
