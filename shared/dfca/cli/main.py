@@ -238,14 +238,22 @@ def up(
     log_to_files: bool = typer.Option(True, "--log-files/--log-to-terminal",
                                       help="services log to STATE_DIR/logs/<service>.log; --log-to-terminal: "
                                            "their JSON log lines go to this terminal instead"),
-    broker_users: Path = typer.Option(None, "--broker-users", help="each process connects as its own broker user: "
+    broker_users: Path = typer.Option(None, "--broker-users", help="the principals' broker users, made beforehand: "
                                       "the URLs `python -m dfca.identity.broker_users create` wrote (default "
-                                      "DFCA_BROKER_USERS; none: every process uses --broker)"),
+                                      "DFCA_BROKER_USERS; none: `dfca up` creates them, STATE_DIR/broker-users.json)"),
+    rabbitmqctl: str = typer.Option(None, "--rabbitmqctl", help="how to reach the broker's node to create the "
+                                    "users [default: rabbitmqctl as root, else 'sudo -n rabbitmqctl']"),
+    insecure_shared_broker_user: bool = typer.Option(
+        False, "--insecure-shared-broker-user", help="every process connects as --broker's user, with no broker "
+        "users of their own: any worker's credentials can then forge control commands and other workers' models "
+        "(local development only; every service warns)"),
 ) -> None:
     """Run the whole stack locally (topology, metrics, N workers) as OS processes; Ctrl-C or `dfca down` stops it.
 
-    Prints where the APIs, the dashboard, the logs and the API token are once every process is ready, and writes
-    STATE_DIR/stack.json (and ~/.dfca/stack.json), which `dfca submit|status|stop|logs|results|down` read."""
+    Each process connects as its own broker user, created at start; without DFCA_API_TOKEN and DFCA_READ_TOKEN it
+    makes both tokens, and every read of either API needs one. Prints where the APIs, the dashboard, the logs and the
+    tokens are once every process is ready, and writes STATE_DIR/stack.json (and ~/.dfca/stack.json), which
+    `dfca submit|status|stop|logs|results|down` read."""
     import os
 
     from dfca.cli.launcher import StackOptions, run_stack
@@ -261,9 +269,14 @@ def up(
         metrics_db_url=os.environ.get("DFCA_METRICS_DB_URL"), data_root=os.environ.get("DFCA_DATA_ROOT"),
         log_level=os.environ.get("DFCA_LOG_LEVEL", "INFO"), log_to_files=log_to_files,
         model_factories=os.environ.get("DFCA_MODEL_FACTORIES", ""),
+        shared_broker_user=insecure_shared_broker_user,
+        rabbitmqctl=rabbitmqctl or ("rabbitmqctl" if os.geteuid() == 0 else "sudo -n rabbitmqctl"),
     )
     users_file = broker_users or (Path(os.environ["DFCA_BROKER_USERS"]) if os.environ.get("DFCA_BROKER_USERS")
                                   else None)
+    if users_file is not None and insecure_shared_broker_user:
+        typer.echo("dfca up: --broker-users and --insecure-shared-broker-user contradict each other", err=True)
+        raise typer.Exit(2)
     if users_file is not None:
         try:
             options.broker_users = read_urls(users_file)
