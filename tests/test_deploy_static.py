@@ -699,7 +699,7 @@ def test_rabbitmq_reads_the_config_where_it_is_mounted(gpu_manifests: list[Manif
     assert f"> {definitions_path}" in init_script
     binds = {v.split(":")[1]: v.split(":")[0] for v in compose["services"]["rabbitmq"]["volumes"]
              if v.startswith("./")}
-    assert binds[definitions_path] == "./broker/definitions.json"
+    assert binds[definitions_path] == compose_stand_in_env()["DFCA_BROKER_DEFINITIONS"]  # compose_broker_users.sh
     assert binds["/etc/rabbitmq/rabbitmq.conf"] == "./broker/rabbitmq.conf"
     assert binds["/etc/rabbitmq/enabled_plugins"] == "./broker/enabled_plugins"
     assert "rabbitmq_management" in (BROKER_DIR / "enabled_plugins").read_text()
