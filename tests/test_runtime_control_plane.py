@@ -30,6 +30,7 @@ from dfca.runtime.protocol.messages import (
     decode_control,
 )
 from dfca.runtime.service.http_service import MAX_BODY_BYTES
+from dfca.runtime.service.state_dirs import StateDirUnwritable
 from dfca.runtime.worker.worker_agent import WorkerAgent
 from dfca.simulator import prepare
 from dfca.transport import InMemoryBroker, InMemoryTransport
@@ -306,7 +307,7 @@ def test_sharding_covers_every_client_once() -> None:
         clients_of(3, 3, 10)
 
 
-def test_records_survive_a_topology_restart_and_an_unwritable_folder_is_not_fatal(broker: InMemoryBroker,
+def test_records_survive_a_topology_restart_and_an_unwritable_folder_is_refused(broker: InMemoryBroker,
                                                                                    tmp_path: Path) -> None:
     ensure_broker_topology(InMemoryTransport(broker))
     first = Coordinator(InMemoryTransport(broker), "dtest", workers=3, state_dir=tmp_path / "records")
@@ -317,9 +318,8 @@ def test_records_survive_a_topology_restart_and_an_unwritable_folder_is_not_fata
     assert restored.status == "running" and restored.edges == record.edges and restored.config == record.config
     assert set(restored.worker_views) == {0, 1, 2}
     (tmp_path / "file").write_text("")
-    unwritable = Coordinator(InMemoryTransport(broker), "dtest", workers=3, state_dir=tmp_path / "file" / "records")
-    assert unwritable.create(ExperimentConfig.model_validate(small())).status == "created"
-    assert unwritable.state_dir is None
+    with pytest.raises(StateDirUnwritable, match="DFCA_CHECKPOINT_DIR: cannot write the state folder"):
+        Coordinator(InMemoryTransport(broker), "dtest", workers=3, state_dir=tmp_path / "file" / "records")
 
 
 def test_a_worker_done_before_a_topology_restart_is_not_presumed_dead_after_it(broker: InMemoryBroker,

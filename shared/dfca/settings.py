@@ -24,6 +24,8 @@ ENV_VARS: dict[str, str] = {
     "DFCA_WORKERS": "how many workers share the clients",
     "DFCA_CHECKPOINT_DIR": "folder where a worker checkpoints its clients after each round",
     "DFCA_DATA_ROOT": "folder with local dataset files (MNIST/EMNIST IDX, CIFAR-10 binary, FEMNIST JSON)",
+    "DFCA_DATA_DIR": "a worker's own data folder (DIR/<client-id>/train.npz ...): it hosts exactly those clients in "
+                     "experiments with data.source: workers; in containers /var/lib/dfca/data",
     "DFCA_DEVICE": "cpu, cuda or auto: where a worker (or the aggregator) computes; unset: the config's `device`",
     "DFCA_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR",
     "DFCA_TLS_CERT": "PEM certificate (chain) a service's HTTP server presents: it answers HTTPS only",
