@@ -6,6 +6,8 @@
 #   bash scripts/compose_broker_users.sh --shared-user   every process as the one development user dfca/dfca of
 #       broker/definitions.json: an explicit opt-in for a throwaway local stack; the services warn at start that
 #       they cannot tell publishers apart
+# Both modes also put an API token and a read token (DFCA_API_TOKEN, DFCA_READ_TOKEN) into .env where it has
+# none yet: reads of both APIs need one of them, and the workers hold only the read token.
 # Run it before the first `docker compose up` (or again to change every password, then recreate the stack:
 # `docker compose up -d --force-recreate`). WORKERS (default 3) must match the worker-N services. Needs Python 3
 # with this project installed, or run from its checkout (with pydantic and torch importable).
@@ -21,6 +23,20 @@ case "${1:-}" in
 esac
 PYTHON="${PYTHON:-python3}"
 "$PYTHON" -c "import dfca.identity.broker_users" 2>/dev/null || export PYTHONPATH="$PWD/shared${PYTHONPATH:+:$PYTHONPATH}"
+"$PYTHON" - "$ENV_FILE" <<'PY'
+import secrets
+import sys
+from pathlib import Path
+
+from dfca.identity.broker_users import update_env_file
+
+env = Path(sys.argv[1])
+held = {line.split("=", 1)[0].strip() for line in env.read_text().splitlines()} if env.exists() else set()
+tokens = {name: secrets.token_hex(32) for name in ("DFCA_API_TOKEN", "DFCA_READ_TOKEN") if name not in held}
+if tokens:
+    update_env_file(env, tokens)
+    print(f"API tokens for docker compose: {', '.join(tokens)} in {env}", file=sys.stderr)
+PY
 if [ "$mode" = shared ]; then
   "$PYTHON" - "$ENV_FILE" "$WORKERS" <<'PY'
 import sys

@@ -411,7 +411,8 @@ def compose_stand_in_env(workers: int = 3) -> dict[str, str]:
     from dfca.identity.broker_users import env_name
 
     urls = {env_name(p): principal_url(p, broker_test_password(p), "rabbitmq", 5672) for p in principals_of(workers)}
-    return {**urls, "DFCA_BROKER_DEFINITIONS": "./.dfca/broker-definitions.json"}
+    tokens = {"DFCA_API_TOKEN": "stand-in-api-token", "DFCA_READ_TOKEN": "stand-in-read-token"}
+    return {**urls, **tokens, "DFCA_BROKER_DEFINITIONS": "./.dfca/broker-definitions.json"}
 
 
 def compose_defaults(value: Any, env: Mapping[str, str] | None = None) -> Any:

@@ -807,8 +807,9 @@ def test_chaos_script_parses() -> None:
 
 def test_compose_runs_each_service_as_its_own_broker_user(tmp_path: Path) -> None:
     """scripts/compose_broker_users.sh's env file gives every compose service its own principal's URL and the
-    broker the generated definitions; without it `up` refuses, naming the script; --shared-user is the explicit
-    opt-in to the development user."""
+    broker the generated definitions, and generated tokens (the API token only to the REST services, the read
+    token to every service); without it `up` refuses, naming the script; --shared-user is the explicit opt-in to
+    the development user."""
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose (Debian package docker-compose) is not installed")
     env_file = tmp_path / "compose.env"
@@ -829,6 +830,16 @@ def test_compose_runs_each_service_as_its_own_broker_user(tmp_path: Path) -> Non
     for name in ("topology", "metrics", "worker-0", "worker-1", "worker-2"):
         url = services[name]["environment"]["DFCA_BROKER_URL"]
         assert url.startswith(f"amqp://dfca-{name}:") and url.endswith("@rabbitmq:5672/dfca"), (name, url)
+    written = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
+    assert len(written["DFCA_API_TOKEN"]) == 64 and written["DFCA_API_TOKEN"] != written["DFCA_READ_TOKEN"]
+    for name in ("topology", "metrics"):
+        assert services[name]["environment"]["DFCA_API_TOKEN"] == written["DFCA_API_TOKEN"], name
+    for name in ("topology", "metrics", "worker-0", "worker-2"):
+        assert services[name]["environment"]["DFCA_READ_TOKEN"] == written["DFCA_READ_TOKEN"], name
+    assert "DFCA_API_TOKEN" not in services["worker-0"]["environment"]
+    again = subprocess.run(["bash", str(script)], env=script_env, capture_output=True, text=True, check=False,
+                           timeout=120)
+    assert again.returncode == 0 and f"DFCA_API_TOKEN={written['DFCA_API_TOKEN']}" in env_file.read_text()
     mounts = [str(v) for v in services["rabbitmq"]["volumes"]]
     assert any(".dfca/broker-definitions.json" in v and "/etc/rabbitmq/definitions.json" in v for v in mounts), mounts
     (tmp_path / "empty.env").write_text("")
