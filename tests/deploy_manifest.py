@@ -1,4 +1,4 @@
-"""Read the deployment manifests (k8s/, docker-compose.yml, Dockerfile) the way the runtimes do.
+"""Read the deployment manifests (k8s/, k8s-config/, docker-compose.yml, Dockerfile) the way the runtimes do.
 
 Used by the deployment tests: they check the manifests against the code, and launch the services
 locally with exactly the command and environment a Kubernetes pod would get.
@@ -9,7 +9,6 @@ from the broker/ files.
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import os
@@ -29,7 +28,10 @@ from dfca.identity.broker_users import principal_records, principal_url, princip
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO / "k8s"
-CPU_OVERLAY_DIR = K8S_DIR / "cpu"
+CONFIG_DIR = REPO / "k8s-config"  # the configuration layer: kustomize components, presets, a site example
+PRESETS_DIR = CONFIG_DIR / "presets"
+CPU_PRESET_DIR = PRESETS_DIR / "cpu"
+SITE_EXAMPLE_DIR = CONFIG_DIR / "site-example"
 BROKER_DIR = REPO / "broker"
 DOCKERFILE = REPO / "Dockerfile"
 COMPOSE_FILE = REPO / "docker-compose.yml"
@@ -132,9 +134,16 @@ def pod_containers(workload: Manifest, *, init: bool = True) -> list[Manifest]:
     return [*(spec.get("initContainers", []) if init else []), *spec["containers"]]
 
 
+DFCA_IMAGES = ("dfca", "dfca-cuda")  # the CPU image and the CUDA image (scripts/build_images.sh)
+
+
+def image_repository(image: str) -> str:
+    """registry.example.com/team/dfca-cuda:0.1.0 -> dfca-cuda."""
+    return image.rsplit("/", 1)[-1].split("@", 1)[0].split(":", 1)[0]
+
+
 def is_dfca_image(image: str) -> bool:
-    repository = image.rsplit("/", 1)[-1].split(":", 1)[0].split("@", 1)[0]
-    return repository == "dfca"
+    return image_repository(image) in DFCA_IMAGES
 
 
 def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
@@ -155,81 +164,27 @@ def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> 
     return True
 
 
-# ---------------------------------------------------------------- kustomize (the subset k8s/cpu uses)
+# ---------------------------------------------------------------- kustomize
 
 
-def _pointer_tokens(path: str) -> list[str]:
-    if not path.startswith("/"):
-        raise ValueError(f"JSON pointer {path!r} must start with '/'")
-    return [token.replace("~1", "/").replace("~0", "~") for token in path[1:].split("/")]
+def kustomize_command(directory: Path) -> list[str]:
+    """The real renderer: `kubectl kustomize` (kubectl ships kustomize), else a standalone `kustomize build`."""
+    import shutil
+
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize", str(directory)]
+    if shutil.which("kustomize"):
+        return ["kustomize", "build", str(directory)]
+    raise RuntimeError("rendering the k8s-config overlays needs kubectl (it ships kustomize) or kustomize on PATH: "
+                       "install kubectl (https://kubernetes.io/docs/tasks/tools/)")
 
 
-def _resolve_parent(doc: Any, tokens: list[str]) -> tuple[Any, str]:
-    node = doc
-    for token in tokens[:-1]:
-        node = node[int(token)] if isinstance(node, list) else node[token]
-    return node, tokens[-1]
-
-
-def apply_json_patch(doc: Manifest, operations: list[Mapping[str, Any]]) -> Manifest:
-    """RFC 6902 add/remove/replace/test, as kustomize applies a JSON6902 patch."""
-    result = copy.deepcopy(doc)
-    for op in operations:
-        parent, key = _resolve_parent(result, _pointer_tokens(op["path"]))
-        kind = op["op"]
-        if isinstance(parent, list):
-            index = len(parent) if key == "-" else int(key)
-            if kind == "add":
-                parent.insert(index, copy.deepcopy(op["value"]))
-            elif kind == "remove":
-                del parent[index]
-            elif kind == "replace":
-                parent[index] = copy.deepcopy(op["value"])
-            elif kind == "test":
-                if parent[index] != op["value"]:
-                    raise ValueError(f"JSON patch test failed at {op['path']}: {parent[index]!r}")
-            else:
-                raise ValueError(f"unsupported JSON patch op {kind!r}")
-            continue
-        if kind in ("remove", "replace", "test") and key not in parent:
-            raise ValueError(f"JSON patch {kind} of missing path {op['path']}")
-        if kind in ("add", "replace"):
-            parent[key] = copy.deepcopy(op["value"])
-        elif kind == "remove":
-            del parent[key]
-        elif kind == "test":
-            if parent[key] != op["value"]:
-                raise ValueError(f"JSON patch test failed at {op['path']}: {parent[key]!r}")
-        else:
-            raise ValueError(f"unsupported JSON patch op {kind!r}")
-    return result
-
-
-def _matches_target(doc: Manifest, target: Mapping[str, Any]) -> bool:
-    group, _, version = doc["apiVersion"].rpartition("/")
-    wanted = {"group": group, "version": version, "kind": doc["kind"], "name": doc["metadata"]["name"],
-              "namespace": doc["metadata"].get("namespace")}
-    labels = doc["metadata"].get("labels", {})
-    selected = all(labels.get(key) == value for key, _, value in
-                   (term.partition("=") for term in target.get("labelSelector", "").split(",") if term))
-    return selected and all(wanted.get(field) == value for field, value in target.items() if field != "labelSelector")
-
-
-def render_kustomization(directory: Path = CPU_OVERLAY_DIR) -> list[Manifest]:
-    """Render an overlay made of file `resources` and inline JSON6902 `patches` (what k8s/cpu uses)."""
-    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    unsupported = set(kustomization) - {"apiVersion", "kind", "resources", "patches"}
-    if unsupported:
-        raise ValueError(f"render_kustomization does not support {sorted(unsupported)}")
-    docs = [doc for resource in kustomization["resources"] for doc in load_documents(directory / resource)]
-    for patch in kustomization.get("patches", []):
-        operations = yaml.safe_load(patch["patch"])
-        hits = [i for i, doc in enumerate(docs) if _matches_target(doc, patch["target"])]
-        if not hits:
-            raise ValueError(f"patch target {patch['target']} matched no resource")
-        for hit in hits:
-            docs[hit] = apply_json_patch(docs[hit], operations)
-    return docs
+def render_overlay(directory: Path) -> list[Manifest]:
+    """What `kubectl kustomize DIRECTORY` renders, as documents (no load-restrictor flag: none is needed)."""
+    result = subprocess.run(kustomize_command(directory), capture_output=True, text=True, check=False, timeout=120)
+    if result.returncode != 0:
+        raise RuntimeError(f"kustomize failed on {directory}: {result.stderr}")
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
 # ---------------------------------------------------------------- commands and environment
@@ -292,6 +247,8 @@ def resolve_env(
             data = _source_data(manifests, "Secret", ref["secretKeyRef"]["name"])
             if ref["secretKeyRef"]["key"] in data or not ref["secretKeyRef"].get("optional", False):
                 env[name] = data[ref["secretKeyRef"]["key"]]  # a missing optional key leaves the variable unset
+        elif "resourceFieldRef" in ref:  # the kubelet's number (init_container_env computes it)
+            env[name] = f"<{ref['resourceFieldRef']['resource']}>"
         elif "fieldRef" in ref:
             match = re.fullmatch(r"metadata\.labels\['([^']+)'\]", ref["fieldRef"]["fieldPath"])
             if match is None:
@@ -446,23 +403,40 @@ def dockerfile_entrypoint(text: str) -> list[str]:
     return exec_form(entrypoints[-1])
 
 
-_COMPOSE_VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+_COMPOSE_VARIABLE = re.compile(r"\$\{(\w+)(?:(:?-|:?\?)([^}]*))?\}")
 
 
-def compose_defaults(value: Any) -> Any:
-    """A compose document as `docker compose` sees it with no variables set: ${NAME:-default} ->
-    default, ${NAME} -> ''."""
+def compose_stand_in_env(workers: int = 3) -> dict[str, str]:
+    """What scripts/compose_broker_users.sh puts in .env, with stand-in passwords."""
+    from dfca.identity.broker_users import env_name
+
+    urls = {env_name(p): principal_url(p, broker_test_password(p), "rabbitmq", 5672) for p in principals_of(workers)}
+    tokens = {"DFCA_API_TOKEN": "stand-in-api-token", "DFCA_READ_TOKEN": "stand-in-read-token"}
+    return {**urls, **tokens, "DFCA_BROKER_DEFINITIONS": "./.dfca/broker-definitions.json"}
+
+
+def compose_defaults(value: Any, env: Mapping[str, str] | None = None) -> Any:
+    """A compose document as `docker compose` sees it with `env` set (by default what compose_broker_users.sh
+    writes): ${NAME:-default} -> env or default, ${NAME} -> env or '', ${NAME:?error} -> env, else ValueError."""
+    env = compose_stand_in_env() if env is None else env
     if isinstance(value, dict):
-        return {key: compose_defaults(item) for key, item in value.items()}
+        return {key: compose_defaults(item, env) for key, item in value.items()}
     if isinstance(value, list):
-        return [compose_defaults(item) for item in value]
+        return [compose_defaults(item, env) for item in value]
     if isinstance(value, str):
-        return _COMPOSE_VARIABLE.sub(lambda m: m.group(2) or "", value)
+        def substitute(match: re.Match[str]) -> str:
+            name, operator, word = match.group(1), match.group(2) or "", match.group(3) or ""
+            if env.get(name):
+                return env[name]
+            if "?" in operator:
+                raise ValueError(f"{name} is required: {word}")
+            return word
+        return _COMPOSE_VARIABLE.sub(substitute, value)
     return value
 
 
-def load_compose(path: Path) -> dict[str, Any]:
-    return compose_defaults(yaml.safe_load(path.read_text()))
+def load_compose(path: Path, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    return compose_defaults(yaml.safe_load(path.read_text()), env)
 
 
 def compose_argv(service: Mapping[str, Any], image_entrypoint: list[str]) -> list[str]:
@@ -546,6 +520,7 @@ def run_broker_init_container(manifests: list[Manifest], secret_files: Mapping[s
         raise ValueError("the broker init container is expected to run `bash -c SCRIPT`")
     volumes = {volume["name"]: volume for volume in broker["volumes"]}
     script = init["command"][2]
+    env = {**os.environ, **init_container_env(broker, init)}
     for mount in sorted(init["volumeMounts"], key=lambda m: -len(m["mountPath"])):
         local = root / mount["name"]
         local.mkdir(parents=True)
@@ -557,7 +532,36 @@ def run_broker_init_container(manifests: list[Manifest], secret_files: Mapping[s
             for item in volume["secret"]["items"]:
                 (local / item["path"]).write_text(secret_files[item["key"]])
         script = script.replace(mount["mountPath"] + "/", f"{local}/")
-    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=False)
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=False, env=env)
+
+
+_BINARY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "": 1, "k": 10**3, "M": 10**6, "G": 10**9}
+
+
+def quantity_bytes(quantity: str | int) -> int:
+    """A Kubernetes memory quantity (2Gi, 512Mi, 1G, 1048576) in bytes."""
+    match = re.fullmatch(r"(\d+)([KMGT]i|[kMG])?", str(quantity))
+    if match is None:
+        raise ValueError(f"unsupported memory quantity {quantity!r}")
+    return int(match.group(1)) * _BINARY_SUFFIXES[match.group(2) or ""]
+
+
+def init_container_env(pod_spec: Manifest, container: Manifest) -> dict[str, str]:
+    """An init container's literal env and resourceFieldRef values (limits.memory of a named container), as the
+    kubelet computes them: the quantity divided by the divisor, rounded up."""
+    env: dict[str, str] = {}
+    by_name = {c["name"]: c for c in pod_spec["containers"]}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = str(item["value"])
+            continue
+        ref = item["valueFrom"]["resourceFieldRef"]
+        if ref["resource"] != "limits.memory":
+            raise ValueError(f"{item['name']}: only limits.memory resource refs are supported")
+        limit = quantity_bytes(by_name[ref["containerName"]]["resources"]["limits"]["memory"])
+        divisor = quantity_bytes(ref.get("divisor", "1"))
+        env[item["name"]] = str(-(-limit // divisor))
+    return env
 
 
 def broker_secret_files(manifests: list[Manifest]) -> dict[str, str]:

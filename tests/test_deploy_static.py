@@ -1,5 +1,6 @@
-"""Offline checks of the deployment: k8s/ (GPU) and k8s/cpu (CPU overlay), docker-compose*.yml and
-the Dockerfile are valid, and stay true to the code (entry points, env vars, ports, broker config)."""
+"""Offline checks of the deployment: k8s/ (GPU), the configuration layer k8s-config/ (every preset and the site
+example rendered by kustomize), docker-compose*.yml and the Dockerfile are valid, and stay true to the code (entry
+points, env vars, ports, broker config)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ from deploy_manifest import (
     BROKER_USER_RECORDS,
     COMPOSE_FILE,
     COMPOSE_GPU_FILE,
-    CPU_OVERLAY_DIR,
+    CPU_PRESET_DIR,
     DFCA_SUBCOMMANDS,
     DOCKERFILE,
     K8S_DIR,
+    PRESETS_DIR,
     REPO,
     SECRET_SCRIPT,
     Manifest,
@@ -36,18 +38,20 @@ from deploy_manifest import (
     broker_secret_files,
     compose_argv,
     compose_environment,
+    compose_stand_in_env,
     container_argv,
     dockerfile_entrypoint,
     dockerfile_stages,
     env_names,
     find_manifest,
+    image_repository,
     is_dfca_image,
     load_compose,
     load_manifests,
     manifest_files,
     pod_containers,
     pod_template,
-    render_kustomization,
+    render_overlay,
     resolve_env,
     run_broker_init_container,
     selector_matches,
@@ -61,8 +65,17 @@ from dfca.identity import principals
 from dfca.settings import DEFAULT_PORTS, ENV_VARS
 
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")  # oldest we support and newest bundled
+PRESET_DIRS = {path.name: path for path in sorted(PRESETS_DIR.iterdir()) if (path / "kustomization.yaml").exists()}
+# The node labels each cloud sets on a GPU node from the moment it is created (so that an autoscaler knows them from
+# the pool's template and can scale a pool up from zero): the only labels a preset may require.
+LABELS_THE_CLOUD_SETS = {
+    "gke": {"cloud.google.com/gke-accelerator"},
+    "eks": set(),  # the device plugin alone sets none
+    "gpu-operator": set(),  # nvidia.com/gpu.present comes from GPU Feature Discovery after boot: preferred only
+    "cpu": set(),
+}
+CUSTOM_RESOURCES = {"ServiceMonitor"}  # kinds from CRDs kubernetes-validate has no schema for
 GPU_RESOURCE = "nvidia.com/gpu"
-GPU_NODE_LABEL = "nvidia.com/gpu.present"
 APP_COMPONENTS = {"topology", "metrics", "aggregator", "worker"}
 API_COMPONENTS = {"topology": 8080, "metrics": 8081}
 
@@ -74,7 +87,7 @@ def gpu_manifests() -> list[Manifest]:
 
 @pytest.fixture(scope="module")
 def cpu_manifests() -> list[Manifest]:
-    return with_cluster_secrets(render_kustomization(CPU_OVERLAY_DIR))
+    return with_cluster_secrets(render_overlay(CPU_PRESET_DIR))
 
 
 @pytest.fixture(scope="module", params=["gpu", "cpu"])
@@ -113,7 +126,10 @@ def test_manifests_pass_kubernetes_validate_strict(version: str, tmp_path: Path,
                                                    cpu_manifests: list[Manifest]) -> None:
     rendered = tmp_path / "cpu-rendered.yaml"
     rendered.write_text(yaml.safe_dump_all(cpu_manifests, sort_keys=False))
-    files = [*manifest_files(K8S_DIR), rendered]
+    validate_strict([*manifest_files(K8S_DIR), rendered], version)
+
+
+def validate_strict(files: list[Path], version: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", "-k", version, *map(str, files)],
         capture_output=True, text=True, check=False,
@@ -123,7 +139,7 @@ def test_manifests_pass_kubernetes_validate_strict(version: str, tmp_path: Path,
 
 
 def test_yaml_lints_clean() -> None:
-    targets = [K8S_DIR, COMPOSE_FILE, COMPOSE_GPU_FILE, REPO / ".yamllint"]
+    targets = [K8S_DIR, REPO / "k8s-config", COMPOSE_FILE, COMPOSE_GPU_FILE, REPO / ".yamllint"]
     result = subprocess.run(
         [sys.executable, "-m", "yamllint", "--strict", "-c", str(REPO / ".yamllint"), *map(str, targets)],
         capture_output=True, text=True, check=False,
@@ -132,11 +148,13 @@ def test_yaml_lints_clean() -> None:
 
 
 @pytest.mark.parametrize("files", [[COMPOSE_FILE], [COMPOSE_FILE, COMPOSE_GPU_FILE]], ids=["cpu", "gpu"])
-def test_compose_config_is_valid(files: list[Path]) -> None:
+def test_compose_config_is_valid(files: list[Path], tmp_path: Path) -> None:
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose (Debian package docker-compose) is not installed")
+    env_file = tmp_path / "compose.env"
+    env_file.write_text("".join(f"{key}={value}\n" for key, value in compose_stand_in_env().items()))
     args = [arg for path in files for arg in ("-f", str(path))]
-    result = subprocess.run(["docker-compose", *args, "config", "-q"], cwd=REPO,
+    result = subprocess.run(["docker-compose", "--env-file", str(env_file), *args, "config", "-q"], cwd=REPO,
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -150,27 +168,17 @@ def test_k8s_top_level_holds_only_plain_manifests_in_the_dfca_namespace(gpu_mani
             assert doc["metadata"]["namespace"] == "dfca", doc["metadata"]["name"]
 
 
-def test_cpu_overlay_lists_every_top_level_manifest() -> None:
-    kustomization = yaml.safe_load((CPU_OVERLAY_DIR / "kustomization.yaml").read_text())
-    listed = {(CPU_OVERLAY_DIR / resource).resolve() for resource in kustomization["resources"]}
-    assert listed == {path.resolve() for path in manifest_files(K8S_DIR)}
-
-
-def test_cpu_overlay_renders_the_same_with_kustomize() -> None:
-    if shutil.which("kubectl"):
-        command = ["kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(CPU_OVERLAY_DIR)]
-    elif shutil.which("kustomize"):
-        command = ["kustomize", "build", "--load-restrictor", "LoadRestrictionsNone", str(CPU_OVERLAY_DIR)]
-    else:
-        pytest.skip("neither kubectl nor kustomize is installed; the built-in renderer is used alone")
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr
-    rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+def test_the_base_kustomization_is_exactly_the_top_level_manifests() -> None:
+    """k8s/Kustomization (no .yaml suffix: `kubectl apply -f k8s/` skips it) lists every file that `kubectl apply -f
+    k8s/` applies, so the configuration layer and the one-command deployment never part."""
+    kustomization = yaml.safe_load((K8S_DIR / "Kustomization").read_text())
+    assert sorted(K8S_DIR / resource for resource in kustomization["resources"]) == manifest_files(K8S_DIR)
+    assert "Kustomization" not in [path.name for path in manifest_files(K8S_DIR)]
 
     def canonical(docs: list[Manifest]) -> list[str]:
         return sorted(json.dumps(doc, sort_keys=True) for doc in docs)
 
-    assert canonical(rendered) == canonical(render_kustomization(CPU_OVERLAY_DIR))
+    assert canonical(render_overlay(K8S_DIR)) == canonical(load_manifests(K8S_DIR))
 
 
 # ---------------------------------------------------------------- true to the code
@@ -296,19 +304,25 @@ def test_secret_and_config_references_resolve(manifests: list[Manifest]) -> None
 
 def test_no_manifest_holds_a_secret_that_reapplying_would_restore() -> None:
     """`kubectl apply -f k8s/` (or the CPU overlay) never carries a Secret: scripts/k8s_secret.sh makes it once."""
-    for docs in (load_manifests(K8S_DIR), render_kustomization(CPU_OVERLAY_DIR)):
+    for docs in (load_manifests(K8S_DIR), *(render_overlay(p) for p in PRESET_DIRS.values())):
         assert not [d for d in docs if d.get("kind") == "Secret"]
     assert "change-me" not in "".join(p.read_text() for p in K8S_DIR.rglob("*.yaml"))
 
 
 FAKE_KUBECTL = """#!/usr/bin/env bash
-# A stand-in kubectl keeping Secrets as folders below $STATE: `-n NS get|create|label|delete secret ...`.
+# A stand-in kubectl keeping Secrets as folders below $STATE: `-n NS get|create|label|delete secret ...`, and
+# `exec` (the broker's rabbitmqctl import_definitions) saving its input.
 set -euo pipefail
 echo "$*" >> "$STATE/calls"
 shift 2
 verb="$1"; shift
 case "$verb" in
-  get) [ -d "$STATE/$2" ] ;;
+  get)
+    [ -d "$STATE/$2" ]
+    case "$*" in
+      *jsonpath=*) key=$(printf '%s' "$*" | sed -n 's/.*jsonpath={.data.\\(.*\\)}$/\\1/p' | tr -d '\\\\')
+                   base64 -w0 "$STATE/$2/$key" ;;
+    esac ;;
   create)
     name="$3"; shift 3; mkdir "$STATE/$name"
     for arg in "$@"; do
@@ -318,7 +332,13 @@ case "$verb" in
       esac
     done ;;
   label) name="$2"; [ -d "$STATE/$name" ]; shift 2; printf '%s\\n' "$@" >> "$STATE/$name.labels" ;;
-  delete) for d in "$STATE"/dfca-broker-*/; do [ -d "$d" ] && rm -r "$d"; done; true ;;
+  delete)
+    if [ "$2" = "-l" ]; then
+      for d in "$STATE"/dfca-broker-*/; do [ -d "$d" ] && rm -r "$d"; done; true
+    else
+      rm -rf "${STATE:?}/$2"
+    fi ;;
+  exec) cat > "$STATE/imported.json" ;;
 esac
 """
 
@@ -367,8 +387,20 @@ def test_the_secret_script_makes_tokens_and_one_broker_user_per_principal_once(t
     assert again.returncode == 0, again.stderr
     assert "kept as it is" in again.stdout and "kept as they are" in again.stdout
     assert " create " not in (state / "calls").read_text()[len(calls):]
+    urls = {p: (state / f"dfca-broker-{p}" / "url").read_text() for p in wanted}
     resized = run_secret_script(tmp_path, workers=workers + 1)
-    assert resized.returncode != 0 and "delete secret -l dfca.dev/broker-users=true" in resized.stderr
+    assert resized.returncode == 0, resized.stderr
+    assert "imported them into the running broker" in resized.stdout
+    new = principals.worker(workers)
+    assert {p: (state / f"dfca-broker-{p}" / "url").read_text() for p in wanted} == urls, "nobody re-passworded"
+    assert (state / f"dfca-broker-{new}" / "url").read_text().startswith(f"amqp://{principals.user_of(new)}:")
+    merged = {f.name: json.loads(f.read_text()) for f in (state / "dfca-broker-users").iterdir()}
+    assert {u["name"] for u in merged["users.json"]} == {principals.user_of(p) for p in [*wanted, new]}
+    assert merged["users.json"][:len(records["users.json"])] == records["users.json"]
+    imported = json.loads((state / "imported.json").read_text())
+    assert [u["name"] for u in imported["users"]] == [principals.user_of(new)]
+    assert {p["user"] for p in imported["permissions"]} == {principals.user_of(new)}
+    assert " rabbitmqctl import_definitions" in (state / "calls").read_text()
 
 
 def test_each_workload_holds_only_its_own_broker_user(manifests: list[Manifest]) -> None:
@@ -431,11 +463,10 @@ def test_gpu_workers_request_select_and_tolerate_gpus(gpu_manifests: list[Manife
     (container,) = spec["containers"]
     assert int(container["resources"]["limits"][GPU_RESOURCE]) >= 1
     assert {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
-    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert all({"key": GPU_NODE_LABEL, "operator": "In", "values": ["true"]} in t["matchExpressions"] for t in terms)
+    assert "affinity" not in spec and "nodeSelector" not in spec, "the base requires no node label"
     env = resolve_env(container, gpu_manifests, {})
     assert env["DFCA_DEVICE"] == "cuda"
-    assert container["image"].endswith("-cuda")
+    assert image_repository(container["image"]) == "dfca-cuda"
 
 
 def test_cpu_workers_neither_request_nor_select_gpus(cpu_manifests: list[Manifest],
@@ -446,11 +477,10 @@ def test_cpu_workers_neither_request_nor_select_gpus(cpu_manifests: list[Manifes
     assert "tolerations" not in spec and "affinity" not in spec and "nodeSelector" not in spec
     (container,) = spec["containers"]
     assert resolve_env(container, cpu_manifests, {})["DFCA_DEVICE"] == "cpu"
-    assert not container["image"].endswith("-cuda")
+    assert image_repository(container["image"]) == "dfca"
     # Apart from the GPU settings, the CPU variant is the GPU manifest: nothing else drifted.
     gpu_spec = json.loads(json.dumps(pod_template(worker_statefulset(gpu_manifests))["spec"]))
-    for key in ("tolerations", "affinity"):
-        del gpu_spec[key]
+    del gpu_spec["tolerations"]
     gpu_container = gpu_spec["containers"][0]
     del gpu_container["resources"]["limits"][GPU_RESOURCE]
     gpu_container["image"] = container["image"]
@@ -461,7 +491,8 @@ def test_cpu_workers_neither_request_nor_select_gpus(cpu_manifests: list[Manifes
     assert all("nvidia" not in json.dumps(w) for w in cpu_workers)
     others_cpu = [d for d in cpu_manifests if not any(d is w for w in cpu_workers)]
     others_gpu = [d for d in gpu_manifests if not any(d is w for w in gpu_workers)]
-    assert sorted(map(json.dumps, others_cpu)) == sorted(map(json.dumps, others_gpu))
+    assert sorted(json.dumps(d, sort_keys=True) for d in others_cpu) == \
+        sorted(json.dumps(d, sort_keys=True) for d in others_gpu)
 
 
 def test_the_manifests_device_is_where_a_worker_computes(cpu_manifests: list[Manifest], gpu_manifests: list[Manifest],
@@ -518,7 +549,7 @@ def test_compose_workers_have_distinct_ordinals_and_volumes(compose: dict[str, A
     assert sorted(int(e["DFCA_WORKER_ORDINAL"]) for e in envs.values()) == list(range(len(workers)))
     assert all(f"worker-{e['DFCA_WORKER_ORDINAL']}" == n for n, e in envs.items())
     assert {int(e["DFCA_WORKERS"]) for e in envs.values()} == {len(workers)}
-    checkpoint_volumes = [v for s in workers.values() for v in s["volumes"]]
+    checkpoint_volumes = [v for s in workers.values() for v in s["volumes"] if v.endswith(":/var/lib/dfca/checkpoints")]
     assert len(set(checkpoint_volumes)) == len(workers)
     assert all(e["DFCA_DEVICE"] == "cpu" for e in envs.values())
     assert "nvidia" not in json.dumps(compose)
@@ -609,8 +640,11 @@ def test_network_policies_deny_by_default_and_open_only_broker_and_apis(manifest
 
     default_deny = [p for p in policies if p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")]
     assert any(p["spec"]["policyTypes"] == ["Ingress"] for p in default_deny), "no default-deny ingress policy"
-    broker_rules = allowed("broker")
+    broker_rules = [rule for rule in allowed("broker") if [port["port"] for port in rule["ports"]] != [15692]]
     assert [port["port"] for rule in broker_rules for port in rule["ports"]] == [5672]
+    scrape = [rule for rule in allowed("broker") if [port["port"] for port in rule["ports"]] == [15692]]
+    assert [peer["podSelector"]["matchLabels"] for rule in scrape for peer in rule["from"]] == [
+        {"app.kubernetes.io/name": "prometheus"}], "only Prometheus reaches the broker's metrics port"
     reachers = {name for name, labels in pods.items()
                 for rule in broker_rules for peer in rule["from"]
                 if set(peer) == {"podSelector"} and selector_matches(peer["podSelector"], labels)}
@@ -665,7 +699,7 @@ def test_rabbitmq_reads_the_config_where_it_is_mounted(gpu_manifests: list[Manif
     assert f"> {definitions_path}" in init_script
     binds = {v.split(":")[1]: v.split(":")[0] for v in compose["services"]["rabbitmq"]["volumes"]
              if v.startswith("./")}
-    assert binds[definitions_path] == "./broker/definitions.json"
+    assert binds[definitions_path] == compose_stand_in_env()["DFCA_BROKER_DEFINITIONS"]  # compose_broker_users.sh
     assert binds["/etc/rabbitmq/rabbitmq.conf"] == "./broker/rabbitmq.conf"
     assert binds["/etc/rabbitmq/enabled_plugins"] == "./broker/enabled_plugins"
     assert "rabbitmq_management" in (BROKER_DIR / "enabled_plugins").read_text()
@@ -685,8 +719,11 @@ def test_rabbitmq_init_container_puts_the_principals_into_definitions(
     original = json.loads((BROKER_DIR / "definitions.json").read_text())
     for key in ("vhosts", "exchanges", "queues", "bindings", "policies"):
         assert definitions[key] == original[key]
-    for name in ("rabbitmq.conf", "enabled_plugins"):
-        assert (rendered / name).read_bytes() == (BROKER_DIR / name).read_bytes()
+    assert (rendered / "enabled_plugins").read_bytes() == (BROKER_DIR / "enabled_plugins").read_bytes()
+    ours = (rendered / "rabbitmq.conf").read_text().splitlines()
+    theirs = (BROKER_DIR / "rabbitmq.conf").read_text().splitlines()
+    assert ours[:-1] == [line for line in theirs if not line.startswith("vm_memory_high_watermark.")]
+    assert ours[-1].startswith("vm_memory_high_watermark.absolute = ")
 
 
 @pytest.mark.parametrize("records", ["", '{"name": "x"}', "null", "[1] trailing"])
@@ -770,30 +807,75 @@ def test_chaos_script_parses() -> None:
 
 def test_compose_runs_each_service_as_its_own_broker_user(tmp_path: Path) -> None:
     """scripts/compose_broker_users.sh's env file gives every compose service its own principal's URL and the
-    broker the generated definitions; without it every service falls back to the development user."""
+    broker the generated definitions, and generated tokens (the API token only to the REST services, the read
+    token to every service); without it `up` refuses, naming the script; --shared-user is the explicit opt-in to
+    the development user."""
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose (Debian package docker-compose) is not installed")
-    env_file, definitions = tmp_path / "compose.env", tmp_path / "definitions.json"
-    made = subprocess.run([sys.executable, "-m", "dfca.identity.broker_users", "definitions", "--workers", "3",
-                           "--host", "rabbitmq", "--out", str(tmp_path / "urls.json"), "--compose-env", str(env_file),
-                           "--definitions-path", str(definitions)], capture_output=True, text=True, check=False)
+    env_file = tmp_path / "compose.env"
+    script = REPO / "scripts" / "compose_broker_users.sh"
+    script_env = {**os.environ, "ENV_FILE": str(env_file), "PYTHON": sys.executable}
+    made = subprocess.run(["bash", str(script)], env=script_env, capture_output=True, text=True, check=False,
+                          timeout=120)
     assert made.returncode == 0, made.stderr
-    definitions.write_text(made.stdout)
     assert env_file.stat().st_mode & 0o077 == 0
 
-    def rendered(*env: str) -> dict[str, Any]:
-        done = subprocess.run(["docker-compose", *env, "-f", str(COMPOSE_FILE), "config"], cwd=REPO,
+    def rendered(*env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["docker-compose", *env, "-f", str(COMPOSE_FILE), "config"], cwd=REPO,
                               capture_output=True, text=True, check=False)
-        assert done.returncode == 0, done.stderr
-        return yaml.safe_load(done.stdout)["services"]
 
-    services = rendered("--env-file", str(env_file))
+    done = rendered("--env-file", str(env_file))
+    assert done.returncode == 0, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
     for name in ("topology", "metrics", "worker-0", "worker-1", "worker-2"):
         url = services[name]["environment"]["DFCA_BROKER_URL"]
         assert url.startswith(f"amqp://dfca-{name}:") and url.endswith("@rabbitmq:5672/dfca"), (name, url)
+    written = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
+    assert len(written["DFCA_API_TOKEN"]) == 64 and written["DFCA_API_TOKEN"] != written["DFCA_READ_TOKEN"]
+    for name in ("topology", "metrics"):
+        assert services[name]["environment"]["DFCA_API_TOKEN"] == written["DFCA_API_TOKEN"], name
+    for name in ("topology", "metrics", "worker-0", "worker-2"):
+        assert services[name]["environment"]["DFCA_READ_TOKEN"] == written["DFCA_READ_TOKEN"], name
+    assert "DFCA_API_TOKEN" not in services["worker-0"]["environment"]
+    again = subprocess.run(["bash", str(script)], env=script_env, capture_output=True, text=True, check=False,
+                           timeout=120)
+    assert again.returncode == 0 and f"DFCA_API_TOKEN={written['DFCA_API_TOKEN']}" in env_file.read_text()
     mounts = [str(v) for v in services["rabbitmq"]["volumes"]]
-    assert any(str(definitions) in v and "/etc/rabbitmq/definitions.json" in v for v in mounts), mounts
+    assert any(".dfca/broker-definitions.json" in v and "/etc/rabbitmq/definitions.json" in v for v in mounts), mounts
     (tmp_path / "empty.env").write_text("")
-    shared = rendered("--env-file", str(tmp_path / "empty.env"))
-    assert {shared[n]["environment"]["DFCA_BROKER_URL"] for n in ("topology", "worker-0")} == \
+    refused = rendered("--env-file", str(tmp_path / "empty.env"))
+    assert refused.returncode != 0 and "scripts/compose_broker_users.sh" in refused.stderr, refused.stderr
+    shared_env = tmp_path / "shared.env"
+    opted = subprocess.run(["bash", str(script), "--shared-user"], env={**script_env, "ENV_FILE": str(shared_env)},
+                           capture_output=True, text=True, check=False, timeout=120)
+    assert opted.returncode == 0 and "WARNING" in opted.stderr, opted.stderr
+    done = rendered("--env-file", str(shared_env))
+    assert done.returncode == 0, done.stderr
+    shared = yaml.safe_load(done.stdout)["services"]
+    assert {shared[n]["environment"]["DFCA_BROKER_URL"] for n in ("topology", "worker-0", "worker-2")} == \
         {"amqp://dfca:dfca@rabbitmq:5672/dfca"}
+
+
+def test_compose_mounts_folders_the_image_makes_and_keeps_state_on_them(compose: dict[str, Any]) -> None:
+    """Every folder a compose service mounts below /var/lib/dfca exists in the image, owned by its user (a fresh
+    named volume there inherits that), and each service's state (topology records, metrics database, checkpoints)
+    lives on a volume, not in the container; each worker reads its own data folder, read-only."""
+    created = set(re.findall(r"(/var/lib/dfca/\w+)", DOCKERFILE.read_text()))
+    data_sources = []
+    for name, service in compose_dfca_services(compose).items():
+        mounts = {}
+        for volume in service.get("volumes", []):
+            source, target, *mode = volume.split(":")
+            mounts[target] = (source, mode)
+            assert target in created, (name, target)
+        env = compose_environment(service)
+        kind = name.split("-")[0]
+        state = {"topology": env.get("DFCA_CHECKPOINT_DIR"), "worker": env.get("DFCA_CHECKPOINT_DIR"),
+                 "aggregator": "/var/lib/dfca/checkpoints",
+                 "metrics": env.get("DFCA_METRICS_DB_URL", "").removeprefix("sqlite:///").rsplit("/", 1)[0]}[kind]
+        assert state in mounts and not mounts[state][0].startswith("."), (name, state)
+        if kind == "worker":
+            source, mode = mounts[env["DFCA_DATA_DIR"]]
+            assert mode == ["ro"] and source.endswith(f"/{name}"), (name, source)
+            data_sources.append(source)
+    assert len(set(data_sources)) == 3

@@ -30,6 +30,7 @@ from dfca.runtime.protocol.messages import (
     decode_control,
 )
 from dfca.runtime.service.http_service import MAX_BODY_BYTES
+from dfca.runtime.service.state_dirs import StateDirUnwritable
 from dfca.runtime.worker.worker_agent import WorkerAgent
 from dfca.simulator import prepare
 from dfca.transport import InMemoryBroker, InMemoryTransport
@@ -96,7 +97,12 @@ def test_mutating_calls_need_the_bearer_token(client: TestClient, coordinator: C
     experiment = created.json()["id"]
     assert client.post(f"/experiments/{experiment}:start").status_code == 401
     assert client.post(f"/experiments/{experiment}:stop").status_code == 401
-    assert client.get(f"/experiments/{experiment}").status_code == 200  # reads are open
+    # an API token guards reads too: with any token set, nothing is read without one
+    for path in ("/experiments", f"/experiments/{experiment}", f"/experiments/{experiment}/topology"):
+        assert client.get(path).status_code == 401, path
+        assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
+        assert client.get(path, headers=AUTH).status_code == 200, path
+    assert client.get("/livez").status_code == 200
     with TestClient(create_app(coordinator, None, "memory://")) as no_token:
         refused = no_token.post("/experiments", json=small(), headers=AUTH)
         assert refused.status_code == 401 and "DFCA_API_TOKEN" in refused.json()["detail"]
@@ -125,10 +131,10 @@ def test_delete_forgets_a_finished_experiment_and_refuses_a_running_one(client: 
     conflict = client.delete(f"/experiments/{running}", headers=AUTH)
     assert conflict.status_code == 409 and "stop it" in conflict.json()["detail"]
     assert client.delete(f"/experiments/{created}", headers=AUTH).json() == {"id": created, "deleted": True}
-    assert client.get(f"/experiments/{created}").status_code == 404
+    assert client.get(f"/experiments/{created}", headers=AUTH).status_code == 404
     assert client.delete(f"/experiments/{created}", headers=AUTH).status_code == 404
     assert client.post(f"/experiments/{running}:stop", headers=AUTH).status_code == 200
-    assert [e["id"] for e in client.get("/experiments").json()] == [running]
+    assert [e["id"] for e in client.get("/experiments", headers=AUTH).json()] == [running]
 
 
 def test_bodies_are_refused_before_they_are_read(client: TestClient) -> None:
@@ -176,13 +182,13 @@ def test_start_tells_workers_their_graph_and_stop_tells_them_to_stop(client: Tes
                                                                     broker: InMemoryBroker) -> None:
     probe = Probe(broker)
     experiment = client.post("/experiments", json=small(), headers=AUTH).json()["id"]
-    assert client.get(f"/experiments/{experiment}").json()["status"] == "created"
+    assert client.get(f"/experiments/{experiment}", headers=AUTH).json()["status"] == "created"
     started = client.post(f"/experiments/{experiment}:start", headers=AUTH)
     assert started.status_code == 200 and started.json()["status"] == "running"
     assert client.post(f"/experiments/{experiment}:start", headers=AUTH).status_code == 409
     (start,) = probe.commands()
     assert isinstance(start, StartCommand) and start.deployment == "dtest" and start.workers == 3
-    topology = client.get(f"/experiments/{experiment}/topology").json()
+    topology = client.get(f"/experiments/{experiment}/topology", headers=AUTH).json()
     assert start.neighbours == {int(c): m for c, m in topology["neighbours"].items()}
     assert all(start.neighbours[c] and c not in start.neighbours[c] for c in range(9))
     assert topology["worker_clients"] == {str(w): clients_of(w, 3, 9) for w in range(3)}
@@ -197,7 +203,7 @@ def test_edge_changes_rebind_and_reach_workers_with_an_effective_round(client: T
     experiment = client.post("/experiments", json=small(), headers=AUTH).json()["id"]
     client.post(f"/experiments/{experiment}:start", headers=AUTH)
     probe.commands()
-    before = client.get(f"/experiments/{experiment}/topology").json()
+    before = client.get(f"/experiments/{experiment}/topology", headers=AUTH).json()
     heard = {host_of(w, 3): {m for c in clients_of(w, 3, 9) for m in before["neighbours"][str(c)]} for w in range(3)}
     # a new edge whose u's worker heard nothing from v before: its queue must be bound to v now
     u, v = next((a, b) for a in range(9) for b in range(a + 1, 9)
@@ -301,7 +307,7 @@ def test_sharding_covers_every_client_once() -> None:
         clients_of(3, 3, 10)
 
 
-def test_records_survive_a_topology_restart_and_an_unwritable_folder_is_not_fatal(broker: InMemoryBroker,
+def test_records_survive_a_topology_restart_and_an_unwritable_folder_is_refused(broker: InMemoryBroker,
                                                                                    tmp_path: Path) -> None:
     ensure_broker_topology(InMemoryTransport(broker))
     first = Coordinator(InMemoryTransport(broker), "dtest", workers=3, state_dir=tmp_path / "records")
@@ -312,9 +318,8 @@ def test_records_survive_a_topology_restart_and_an_unwritable_folder_is_not_fata
     assert restored.status == "running" and restored.edges == record.edges and restored.config == record.config
     assert set(restored.worker_views) == {0, 1, 2}
     (tmp_path / "file").write_text("")
-    unwritable = Coordinator(InMemoryTransport(broker), "dtest", workers=3, state_dir=tmp_path / "file" / "records")
-    assert unwritable.create(ExperimentConfig.model_validate(small())).status == "created"
-    assert unwritable.state_dir is None
+    with pytest.raises(StateDirUnwritable, match="DFCA_CHECKPOINT_DIR: cannot write the state folder"):
+        Coordinator(InMemoryTransport(broker), "dtest", workers=3, state_dir=tmp_path / "file" / "records")
 
 
 def test_a_worker_done_before_a_topology_restart_is_not_presumed_dead_after_it(broker: InMemoryBroker,

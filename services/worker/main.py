@@ -13,7 +13,9 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from dfca.devices import DeviceUnavailable, device_name, resolve_device
 from dfca.identity.topics import deployment_tag
+from dfca.runtime.service.broker_identity import warn_if_shared_user
 from dfca.runtime.service.http_service import add_health_routes, serve
 from dfca.runtime.service.structured_logs import configure_logging
 from dfca.runtime.worker.worker_agent import WorkerAgent
@@ -42,10 +44,20 @@ def main() -> None:
     settings = ServiceSettings.from_env("worker")
     ordinal = settings.worker_ordinal
     configure_logging(f"worker-{ordinal}", settings.log_level)
+    warn_if_shared_user(settings.broker_url, f"worker-{ordinal}")
 
     def connect(prefetch: int) -> Transport:
         return connect_transport(settings.broker_url, prefetch=prefetch, name=f"dfca-worker-{ordinal}")
 
+    if settings.device:  # a device the deployment fixed: checked now, not at the first experiment
+        try:
+            device = resolve_device(settings.device, "DFCA_DEVICE")
+        except DeviceUnavailable as err:
+            log.error("%s", err)
+            raise SystemExit(f"dfca worker: {err}") from None
+        log.info("worker %d computes on %s (DFCA_DEVICE=%s)", ordinal, device_name(device), settings.device)
+    else:
+        log.info("worker %d computes where each experiment's config says (DFCA_DEVICE unset)", ordinal)
     agent = WorkerAgent(deployment_tag(settings.topology_url), ordinal, settings.workers, connect,
                         Path(settings.checkpoint_dir), settings.topology_url, settings.data_root, settings.device)
     agent.start()

@@ -14,7 +14,9 @@ model factory, and gives up that agreement.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+from pathlib import Path
 
 import torch
 
@@ -41,10 +43,28 @@ def resolve_device(name: str, setting: str = "device") -> torch.device:
         return torch.device("cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise DeviceUnavailable(f"{setting}: cuda, but this machine has no CUDA device "
-                                "(torch.cuda.is_available() is False); use cpu or auto")
+                                f"(torch.cuda.is_available() is False): {cuda_unavailable_cause()}; use cpu or auto")
     if name == "cuda":
         full_float32_convolutions()
     return torch.device(name)
+
+
+def cuda_unavailable_cause() -> str:
+    """The likeliest reason torch sees no GPU here, from the torch build, the device files and the driver library."""
+    if torch.version.cuda is None:
+        return (f"this torch ({torch.__version__}) is a CPU build; install a CUDA build "
+                "(the image: TORCH_VARIANT=cu126 or cu130)")
+    if not any(Path("/dev").glob("nvidia[0-9]*")):
+        return ("no NVIDIA device is visible to this process (no /dev/nvidia*): a container needs a GPU "
+                "granted to it (Kubernetes: resources.limits nvidia.com/gpu; Docker: --gpus or the NVIDIA "
+                "Container Toolkit)")
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return ("the NVIDIA driver library libcuda.so.1 is not found: put the folder the node mounts it in on "
+                "LD_LIBRARY_PATH (GKE: /usr/local/nvidia/lib64)")
+    return (f"the NVIDIA driver is probably older than this torch's CUDA {torch.version.cuda} needs "
+            "(cu130 needs an R580 driver; cu126 runs on R525 and later)")
 
 
 def full_float32_convolutions() -> None:

@@ -9,10 +9,11 @@ import os
 from dataclasses import dataclass
 
 ENV_VARS: dict[str, str] = {
-    "DFCA_BROKER_URL": "AMQP URL of RabbitMQ, e.g. amqp://dfca:dfca@127.0.0.1:5672/dfca",
+    "DFCA_BROKER_URL": "AMQP URL of RabbitMQ with this process's own user, e.g. amqp://dfca-worker-0:PASSWORD@127.0.0.1:5672/dfca",
     "DFCA_API_TOKEN": "bearer token that mutating REST calls must carry (it is good for reads too); only the topology "
                       "and metrics services hold it",
-    "DFCA_READ_TOKEN": "bearer token that reads of the REST APIs must carry; unset: reads are open",
+    "DFCA_READ_TOKEN": "bearer token that reads of the REST APIs may carry instead of the API token; with neither "
+                       "set, reads are open",
     "DFCA_BROKER_USERS": "JSON file of each principal's AMQP URL (python -m dfca.identity.broker_users) for `dfca up`",
     "DFCA_TOPOLOGY_URL": "base URL of the topology service, for workers and the aggregator",
     "DFCA_METRICS_URL": "base URL of the metrics service",
@@ -23,6 +24,8 @@ ENV_VARS: dict[str, str] = {
     "DFCA_WORKERS": "how many workers share the clients",
     "DFCA_CHECKPOINT_DIR": "folder where a worker checkpoints its clients after each round",
     "DFCA_DATA_ROOT": "folder with local dataset files (MNIST/EMNIST IDX, CIFAR-10 binary, FEMNIST JSON)",
+    "DFCA_DATA_DIR": "a worker's own data folder (DIR/<client-id>/train.npz ...): it hosts exactly those clients in "
+                     "experiments with data.source: workers; in containers /var/lib/dfca/data",
     "DFCA_DEVICE": "cpu, cuda or auto: where a worker (or the aggregator) computes; unset: the config's `device`",
     "DFCA_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR",
     "DFCA_TLS_CERT": "PEM certificate (chain) a service's HTTP server presents: it answers HTTPS only",

@@ -24,7 +24,7 @@ from typing import Any
 
 from dfca.algorithms import algorithm_class, has_central_role
 from dfca.config import ExperimentConfig
-from dfca.graph import build_graph
+from dfca.graph import REQUEST_BUDGET_S, build_graph
 from dfca.identity import topics
 from dfca.identity.broker_setup import bind_to_deployment, ensure_broker_topology
 from dfca.identity.principals import host_of, worker
@@ -46,6 +46,7 @@ from dfca.runtime.protocol.messages import (
     event_principal,
 )
 from dfca.runtime.service.event_consumer import QueueConsumer
+from dfca.runtime.service.state_dirs import require_writable
 from dfca.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class Coordinator:
         self.last_heard = clock()  # any event from any worker
         self.heard_again_at = self.last_heard  # after a silence of everyone: nobody is presumed dead before
         # dead_after seconds from here
-        self.state_dir = state_dir
+        self.state_dir = None if state_dir is None else require_writable(state_dir, "DFCA_CHECKPOINT_DIR")
         self.clock = clock
         self.records: dict[str, ExperimentRecord] = {}
         self.lock = threading.RLock()
@@ -148,7 +149,7 @@ class Coordinator:
         except ModelFactoryError as err:
             raise ConfigRejected(err.field, str(err)) from err
         try:
-            graph = build_graph(cfg.topology, cfg.data.clients, cfg.seed)
+            graph = build_graph(cfg.topology, cfg.data.clients, cfg.seed, budget_s=REQUEST_BUDGET_S)
         except ValueError as err:
             raise ConfigRejected("topology", str(err)) from err
         record = ExperimentRecord.new(experiment_id(cfg), cfg, graph, self.worker_count(cfg))
@@ -393,10 +394,9 @@ class Coordinator:
                 tmp = self.state_dir / f"{record.id}.json.tmp"
                 tmp.write_text(json.dumps(record.to_json()))
                 tmp.replace(self.state_dir / f"{record.id}.json")
-            except OSError as err:  # a read-only filesystem: carry on in memory only
-                log.warning("cannot persist experiment records in %s (%s); keeping them in memory only",
-                            self.state_dir, err)
-                self.state_dir = None
+            except OSError as err:  # writable at start (require_writable): say so at every record it misses
+                log.error("cannot persist experiment %s in %s (%s): a restart would lose its latest state",
+                          record.id, self.state_dir, err)
 
     def _load(self) -> None:
         if self.state_dir is None or not self.state_dir.exists():

@@ -36,6 +36,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from dfca.config import ExperimentConfig
 from dfca.runtime.metrics.dead_letters import ROWS_PER_EXPERIMENT, DeadLetter
 from dfca.runtime.protocol.messages import ExperimentEvent, FinalModelsShare, RoundReport, WorkerEvent
+from dfca.runtime.service.state_dirs import require_writable, sqlite_folder
 
 
 class Base(DeclarativeBase):
@@ -160,6 +161,9 @@ class StoredExperiment:
 class MetricsStore:
     def __init__(self, url: str) -> None:
         options: dict[str, Any] = {}
+        folder = sqlite_folder(url)
+        if folder is not None:  # a folder it cannot write: refuse now, not lose reports later
+            require_writable(folder, "DFCA_METRICS_DB_URL")
         if url.startswith("sqlite"):
             options["connect_args"] = {"check_same_thread": False}
         self.engine = create_engine(url, **options)
