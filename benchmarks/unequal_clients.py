@@ -1,7 +1,7 @@
 """Clients of unequal size against equal clients holding the same samples in all: round time and peak memory.
 
-    python benchmarks/unequal_clients.py [--clients 200] [--median 100] [--most 2000] [--rounds 4] [--hidden 100]
-                                         [--dim 784] [--device cpu] [--out docs/results/unequal_clients_runs.jsonl]
+    python benchmarks/unequal_clients.py [--clients 200] [--median 100] [--most 2000] [--rounds 4] [--hidden 64]
+                                         [--dim 128] [--device cpu] [--out docs/results/unequal_clients_runs.jsonl]
 
 The unequal federation draws each client's train size from a lognormal of median --median (sigma 1), cut to 2..
 --most, the first client --most; the equal one gives every client the same number of samples, the same total
@@ -101,8 +101,8 @@ def main() -> None:
     parser.add_argument("--median", type=int, default=100)
     parser.add_argument("--most", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=100)
-    parser.add_argument("--dim", type=int, default=784)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
