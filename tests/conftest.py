@@ -1,9 +1,10 @@
 """Shared fixtures.
 
-- `rabbitmq_url`: the machine's shared RabbitMQ node, installed and started on demand with
-  scripts/install_rabbitmq.sh and scripts/start_rabbitmq.sh. Outside CI the tests that need it are
-  skipped when RabbitMQ cannot be installed; with CI=true that is a failure. DFCA_TEST_BROKER_URL
-  points the tests at another broker.
+- `rabbitmq_url`: an administrator's URL of vhost `dfca` on the machine's shared RabbitMQ node, installed and
+  started on demand with scripts/install_rabbitmq.sh and scripts/start_rabbitmq.sh, which writes that URL (a
+  generated password) to ~/.dfca/broker-admin-url (DFCA_BROKER_ADMIN_FILE); a node set up before the script made
+  one answers to the old development user dfca/dfca. Outside CI the tests that need it are skipped when RabbitMQ
+  cannot be installed; with CI=true that is a failure. DFCA_TEST_BROKER_URL points the tests at another broker.
 - `private_rabbitmq`: a RabbitMQ node of the test module's own (tests/rabbitmq_node.py), for tests
   that stop, restart or reset the broker; the shared node is never stopped. Tests in one module
   share the node (booting one takes seconds), so they use unique names and leave it running.
@@ -28,7 +29,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rabbitmq_node import RabbitMQNode, RabbitMQNodeError, server_bin_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_BROKER_URL = "amqp://dfca:dfca@127.0.0.1:5672/dfca"
+LEGACY_BROKER_URL = "amqp://dfca:dfca@127.0.0.1:5672/dfca"  # a node set up before the administrator's file
+
+
+def admin_file() -> Path:
+    return Path(os.environ.get("DFCA_BROKER_ADMIN_FILE") or Path.home() / ".dfca" / "broker-admin-url")
+
+
+def admin_url() -> str | None:
+    """The administrator's URL scripts/start_rabbitmq.sh wrote, if it did."""
+    try:
+        return admin_file().read_text().strip() or None
+    except OSError:
+        return None
 
 
 def in_ci() -> bool:
@@ -63,16 +76,20 @@ def run_script(name: str, timeout: float) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="session")
 def rabbitmq_url() -> str:
-    url = os.environ.get("DFCA_TEST_BROKER_URL", SHARED_BROKER_URL)
-    if broker_answers(url):
-        return url
-    if url != SHARED_BROKER_URL:
-        unavailable(f"DFCA_TEST_BROKER_URL={url} does not answer")
+    given = os.environ.get("DFCA_TEST_BROKER_URL")
+    if given:
+        if broker_answers(given):
+            return given
+        unavailable(f"DFCA_TEST_BROKER_URL={given} does not answer")
+    for url in (admin_url(), LEGACY_BROKER_URL):
+        if url is not None and broker_answers(url):
+            return url
     installed = run_script("install_rabbitmq.sh", timeout=600)
     if installed.returncode != 0:
         unavailable(f"cannot install RabbitMQ: {installed.stderr.strip()[-500:]}")
-    started = run_script("start_rabbitmq.sh", timeout=180)
-    if started.returncode != 0 or not broker_answers(url):
+    started = run_script("start_rabbitmq.sh", timeout=300)
+    url = admin_url()
+    if started.returncode != 0 or url is None or not broker_answers(url):
         pytest.fail(f"RabbitMQ did not start:\n{started.stdout[-2000:]}\n{started.stderr[-2000:]}")
     return url
 

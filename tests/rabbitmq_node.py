@@ -135,6 +135,10 @@ class RabbitMQNode:
             env=self.env(), capture_output=True, text=True, timeout=timeout, check=False,
         )
 
+    def ctl_command(self) -> str:
+        """A command line that runs rabbitmqctl against this node (`dfca up --rabbitmqctl`)."""
+        return f"env HOME={self.base_dir / 'home'} {self.bin_dir / 'rabbitmqctl'} -n {self.name}"
+
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 

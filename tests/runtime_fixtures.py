@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from dfca.algorithms import schedule_of
-from dfca.cli.launcher import Stack, StackOptions
+from dfca.cli.launcher import Stack, StackOptions, prepare_credentials
 from dfca.config import ExperimentConfig
 
 TOKEN = "test-token"
@@ -79,6 +79,31 @@ def running_stack(state_dir: Path, broker_url: str, workers: int = 3, aggregator
         worker_programs={w: forging_worker(attack) for w, attack in (forge or {}).items()},
         model_factories=model_factories,
     )
+    with supervised(options) as stack:
+        yield stack
+
+
+@contextmanager
+def default_stack(state_dir: Path, broker_url: str, rabbitmqctl: str, workers: int = 3,
+                  forge: dict[int, str] | None = None) -> Iterator[Stack]:
+    """A stack as `dfca up` makes it with no broker-user or token option (dfca.cli.launcher.prepare_credentials: a
+    broker user per principal made through `rabbitmqctl`, both tokens generated), on free ports; `broker_url` names
+    the broker without credentials. `forge` as in `running_stack`."""
+    options = StackOptions(
+        workers=workers, broker_url=broker_url, topology_port=free_port(), metrics_port=free_port(),
+        worker_port_base=free_port_block(workers), state_dir=state_dir, log_to_files=True, rabbitmqctl=rabbitmqctl,
+        worker_programs={w: forging_worker(attack) for w, attack in (forge or {}).items()},
+    )
+    _, refusal = prepare_credentials(options)
+    assert refusal is None, refusal
+    with supervised(options) as stack:
+        yield stack
+
+
+@contextmanager
+def supervised(options: StackOptions) -> Iterator[Stack]:
+    """The stack of `options`, started, ready and supervised; stopped and its service queues deleted on exit."""
+    state_dir = options.state_dir
     stack = Stack(options)
     stop = threading.Event()
     stack.start()
@@ -92,7 +117,8 @@ def running_stack(state_dir: Path, broker_url: str, workers: int = 3, aggregator
     finally:
         stop.set()
         stack.stop()
-        stack.delete_service_queues()  # a new deployment each time (free ports): its queues would stay 6 hours
+        if "@" in options.broker_url:  # a URL with credentials (default_stack's has none: its node is the test's)
+            stack.delete_service_queues()  # a new deployment each time (free ports): its queues would stay 6 hours
 
 
 def free_port_block(size: int) -> int:
@@ -122,7 +148,7 @@ class Api:
 
     @classmethod
     def of(cls, stack: Stack) -> Api:
-        return cls(stack.options.topology_url, stack.options.metrics_url)
+        return cls(stack.options.topology_url, stack.options.metrics_url, stack.options.api_token)
 
     def create_and_start(self, cfg: dict[str, Any]) -> str:
         created = self.topology.post("/experiments", json=cfg)

@@ -6,7 +6,14 @@ import pytest
 
 from dfca.algorithms.base import SERVER
 from dfca.identity import topics
-from dfca.runtime.driver.admission import BLOCK_AFTER_INVALID, MAX_ROUNDS_AHEAD, Admission, Refusal, Screening
+from dfca.runtime.driver.admission import (
+    BLOCK_AFTER_INVALID,
+    MAX_ROUNDS_AHEAD,
+    NEAR_ROUNDS,
+    Admission,
+    Refusal,
+    Screening,
+)
 
 EXP = "exp"
 
@@ -87,9 +94,44 @@ def test_the_limit_is_the_gates_own() -> None:
 
 
 def test_a_round_more_than_max_rounds_ahead_is_refused() -> None:
-    gate = worker_0()
-    assert gate.admit_round(5 + MAX_ROUNDS_AHEAD, 5) is None
-    assert gate.admit_round(4, 5) is None  # stale: the ledger's business
-    refusal = gate.admit_round(6 + MAX_ROUNDS_AHEAD, 5)
+    gate = Admission(workers=2, own_user="dfca-worker-0", hosted=[0, 2], near_rounds=MAX_ROUNDS_AHEAD + 5)
+    assert gate.admit_round(3, 5 + MAX_ROUNDS_AHEAD, 5) is None
+    assert gate.admit_round(3, 4, 5) is None  # stale: the ledger's business
+    refusal = gate.admit_round(3, 6 + MAX_ROUNDS_AHEAD, 5)
     assert refusal is not None and refusal.reason == "future_round"
-    assert Admission(workers=1, own_user="dfca", max_rounds_ahead=0).admit_round(6, 5) is not None
+    assert Admission(workers=1, own_user="dfca", max_rounds_ahead=0).admit_round(1, 6, 5) is not None
+
+
+def test_a_model_is_let_in_only_once_its_round_is_near() -> None:
+    """Worker 0 of 3 at round 5: worker 1's client 1 may send round 6 (NEAR_ROUNDS ahead), not round 7, however many
+    rounds it claims to have run; only another host's models move the window for it."""
+    gate = Admission(workers=3, own_user="dfca-worker-0", hosted=[0, 3])
+    assert NEAR_ROUNDS == 1
+    assert gate.admit_round(1, 6, 5) is None
+    early = gate.admit_round(1, 7, 5)
+    assert early is not None and early.reason == "future_round" and "worker-1" in early.detail
+    assert gate.admit_round(4, 7, 5) is not None  # client 4 is on worker 1 too: its host cannot vouch for itself
+    assert gate.admit_round(2, 6, 5) is None  # worker 2 has reached round 6 ...
+    assert gate.admit_round(1, 7, 5) is None  # ... so worker 1's round 7 is near now
+    assert gate.admit_round(2, 8, 5) is None and gate.admit_round(1, 9, 5) is None  # a run that went on without us
+    assert gate.admit_round(1, 11, 5) is not None
+
+
+def test_models_sent_before_the_run_starts_are_refused_past_its_first_rounds() -> None:
+    """Pre-sent lies: 3,000 rounds of models from one worker before `go` get in for rounds 0 and 1 only."""
+    gate = Admission(workers=3, own_user="dfca-worker-0", hosted=[0, 3])
+    admitted = [t for t in range(3_000) if gate.admit_round(1, t, 0) is None]
+    assert admitted == [0, 1]
+
+
+@pytest.mark.parametrize("proven", [True, False], ids=["per-principal users", "shared user"])
+def test_two_different_bodies_for_one_message_are_equivocation(proven: bool) -> None:
+    gate = worker_0(proven)
+    assert gate.equivocation((3, 4, "models", 0, 0), "a" * 64) is None
+    assert gate.equivocation((3, 4, "models", 0, 0), "a" * 64) is None  # a copy (a redelivery) is no lie
+    assert gate.equivocation((3, 4, "models", 0, 1), "b" * 64) is None  # another part is another message
+    lie = gate.equivocation((3, 4, "models", 0, 0), "c" * 64)
+    assert lie is not None and lie.reason == "equivocation" and "client 3" in lie.detail
+    assert gate.proven is proven  # the driver cuts the sender off only where its key is proven its own
+    gate.end_round(6)
+    assert gate.equivocation((3, 4, "models", 0, 0), "c" * 64) is None  # forgotten: round 4 is stale at round 6

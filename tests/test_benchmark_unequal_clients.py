@@ -15,7 +15,8 @@ def test_unequal_clients_benchmark_writes_both_cases_and_their_ratios(tmp_path: 
     out = tmp_path / "runs.jsonl"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "unequal_clients.py"), "--clients", "12",
                            "--median", "10", "--most", "80", "--rounds", "2", "--hidden", "8", "--dim", "16",
-                           "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=600, check=True)
+                           "--threads", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, check=True)
     row = json.loads(out.read_text())
     equal, unequal = row["equal"], row["unequal"]
     assert row["commit"] and row["load_before"] >= 0

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import networkx as nx
 import pytest
+from rabbitmq_node import RabbitMQNode
 from runtime_fixtures import free_port, free_port_block, rotated_mnist
 from typer.testing import CliRunner
 
@@ -196,7 +197,8 @@ print("LOADED", loaded)
 @pytest.mark.parametrize("args", [
     ["--help"], ["--version"], ["status", "--help"], ["logs", "--help"], ["stop", "--help"], ["submit", "--help"],
     ["results", "--help"], ["down", "--help"], ["up", "--help"], ["status"], ["logs", "e1"], ["stop", "e1"],
-    ["results", "e1", "--out", "OUT"], ["down"], ["submit", "CFG", "--set", "rounds=3"],
+    ["results", "e1", "--out", "OUT"], ["down"], ["submit", "CFG", "--set", "rounds=3"], ["data", "--help"],
+    ["data", "inspect", "--help"], ["data", "export", "--help"],
 ])
 def test_commands_that_talk_to_a_stack_never_import_torch(args: list[str], tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nobody answers: the commands fail after their imports
@@ -263,15 +265,18 @@ def test_a_stop_after_the_last_round_leaves_the_run_completed() -> None:
 
 # -- dfca up and dfca down ----------------------------------------------------------------------------------------
 def test_dfca_up_logs_to_files_prints_where_everything_is_and_dfca_down_stops_it(
-        rabbitmq_url: str, tmp_path: Path) -> None:
+        private_rabbitmq: RabbitMQNode, tmp_path: Path) -> None:
+    """`dfca up` with no broker-user or token option: it creates one broker user per principal (the broker lists
+    them), makes both tokens, and a read without a token gets 401; the dfca commands find the stack and its token."""
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFCA_")}
-    env.update({"HOME": str(home), "DFCA_BROKER_URL": rabbitmq_url,
+    env.update({"HOME": str(home), "DFCA_BROKER_URL": f"amqp://127.0.0.1:{private_rabbitmq.port}/dfca",
                 "PYTHONPATH": os.pathsep.join([str(ROOT / "shared"), str(ROOT), os.environ.get("PYTHONPATH", "")])})
     topology_port, metrics_port = free_port(), free_port()
     up = subprocess.Popen(
-        [sys.executable, "-m", "dfca.cli", "up", "--workers", "1", "--topology-port", str(topology_port),
-         "--metrics-port", str(metrics_port), "--worker-port-base", str(free_port_block(1))],
+        [sys.executable, "-m", "dfca.cli", "up", "--workers", "2", "--topology-port", str(topology_port),
+         "--metrics-port", str(metrics_port), "--worker-port-base", str(free_port_block(2)),
+         "--rabbitmqctl", private_rabbitmq.ctl_command()],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert up.stdout is not None
     printed: list[str] = []
@@ -284,9 +289,22 @@ def test_dfca_up_logs_to_files_prints_where_everything_is_and_dfca_down_stops_it
             time.sleep(0.2)
         time.sleep(0.5)  # the status block follows the ready line
         output = "".join(printed)
-        assert f"dashboard  http://127.0.0.1:{metrics_port}/ui" in output
+        token = (tmp_path / ".dfca" / "api-token").read_text().strip()
+        read_token = (tmp_path / ".dfca" / "read-token").read_text().strip()
+        assert f"dashboard  http://127.0.0.1:{metrics_port}/ui#token={token}" in output
         assert f"logs       {(tmp_path / '.dfca' / 'logs').resolve()}" in output
-        assert "api-token" in output and "reads are open" in output and "dfca down" in output
+        assert f"API token {token}" in output and f"read token {read_token}" in output and "dfca down" in output
+        assert "one per principal (5 users)" in output
+        listed = private_rabbitmq.ctl("list_users", "--formatter", "json", timeout=240)
+        users = {u["user"] for u in json.loads(listed.stdout)}
+        assert {u for u in users if u.startswith("dfca-")} == {
+            "dfca-topology", "dfca-metrics", "dfca-aggregator", "dfca-worker-0", "dfca-worker-1"}, users
+        for url in (f"http://127.0.0.1:{topology_port}", f"http://127.0.0.1:{metrics_port}"):
+            assert httpx.get(f"{url}/experiments", timeout=10).status_code == 401
+            assert httpx.get(f"{url}/experiments", timeout=10, headers={
+                "Authorization": f"Bearer {read_token}"}).status_code == 200
+        logs = "".join(p.read_text() for p in (tmp_path / ".dfca" / "logs").glob("*.log"))
+        assert "shared user" not in logs  # every process is its own principal: no service warns
         assert not any(line.lstrip().startswith("{") for line in printed)  # no JSON log lines in the terminal
         assert (tmp_path / ".dfca" / "logs" / "topology.log").stat().st_size > 0
         state = stack_state.read(tmp_path / ".dfca" / "stack.json")
@@ -295,12 +313,12 @@ def test_dfca_up_logs_to_files_prints_where_everything_is_and_dfca_down_stops_it
             home / ".dfca" / "stack.json", *[getattr(state, f) for f in ("pid", "topology_url", "metrics_url",
                                                                           "state_dir", "logs", "token_file", "pids")])
         children = list(state.pids)
-        assert len(children) == 3 and all(stack_state.alive(p) for p in children)
+        assert len(children) == 4 and all(stack_state.alive(p) for p in children)
 
         clean = {k: v for k, v in env.items() if not k.startswith("DFCA_")}  # no exports: the state file says
         status = subprocess.run([sys.executable, "-m", "dfca.cli", "status"], cwd=tmp_path, env=clean,
                                 capture_output=True, text=True, timeout=60)
-        assert status.returncode == 0 and "1 of 1 workers known" in status.stderr, status.stderr
+        assert status.returncode == 0 and "2 of 2 workers known" in status.stderr, status.stderr
         down = subprocess.run([sys.executable, "-m", "dfca.cli", "down"], cwd=home, env=clean,  # from elsewhere
                               capture_output=True, text=True, timeout=120)
         assert down.returncode == 0 and "every process exited" in down.stderr, down.stderr
@@ -308,7 +326,7 @@ def test_dfca_up_logs_to_files_prints_where_everything_is_and_dfca_down_stops_it
         assert up.returncode == 0
         assert not any(stack_state.alive(p) for p in children)
         assert not (tmp_path / ".dfca" / "stack.json").exists() and not (home / ".dfca" / "stack.json").exists()
-        assert not (tmp_path / ".dfca" / "api-token").exists()
+        assert not (tmp_path / ".dfca" / "api-token").exists() and not (tmp_path / ".dfca" / "read-token").exists()
     finally:
         if up.poll() is None:
             up.terminate()

@@ -199,6 +199,23 @@ def test_screened_gossip_drivers_match_the_simulator(trim: float, device: str) -
         assert_rows_match(d.algorithm.params, sim.algorithm.params, d.ids)
 
 
+@pytest.mark.parametrize("aggregation", ["batch", "sequential"])
+def test_screened_one_hop_merges_match_the_simulator(aggregation: str) -> None:
+    """The default schedule's one-hop merges are screened too (core.screened_gossip.screened_arrivals): with a tight
+    radius some honest models are dropped, the same ones whether they arrive all at once or one at a time."""
+    cfg = small_config(rounds=4, aggregation=aggregation,
+                       dfca={"flood_rounds": 2, "seed_epochs": 2, "warmup_rounds": 0, "gossip_every": 2,
+                             "gossip_steps": 2, "screen": True, "screen_radius": 1.2})
+    assert schedule_of(cfg).gossip_steps(schedule_of(cfg).seeding_rounds) == 0  # the first training round merges
+    ctx = prepare(cfg)
+    sim = simulate(cfg, data=ctx.data)
+    run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 3)
+    assert sim.summary["screened"] > 0
+    assert sum(d.stats.screened for d in run.drivers) == sim.summary["screened"]
+    for d in run.drivers:
+        assert_rows_match(d.algorithm.params, sim.algorithm.params, d.ids)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("payload", ["int8", "float16"])
 def test_lossy_payloads_are_rounded_alike_on_both_drivers(payload: str, device: str) -> None:

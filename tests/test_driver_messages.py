@@ -308,10 +308,40 @@ def test_models_far_in_the_future_are_rejected_and_repeats_are_held_once() -> No
     while (msg := a.transport.receive(a.queue, 0.0)) is not None:
         a.handle(msg)
     hearing = a.hearing.rows_of[peer]  # every hosted client that neighbours the peer holds its own copy
-    assert row in hearing and a.stats.rejected == Counter({"future_round": 3})
+    # round 1 is near (NEAR_ROUNDS ahead of round 0): held; the rest is refused, however far ahead
+    assert row in hearing and a.stats.rejected == Counter({"future_round": 4})
     assert a.stats.duplicates == 2 * len(hearing)
     held = sorted((d.envelope.round, d.row) for d in a.ledger.held)
-    assert held == sorted((t, r) for t in (1, ahead) for r in hearing)
+    assert held == sorted((1, r) for r in hearing)
+
+
+@pytest.mark.parametrize("proven", [True, False], ids=["per-principal users", "shared user"])
+def test_a_second_body_for_one_message_is_equivocation_and_cuts_a_proven_sender_off(proven: bool) -> None:
+    """Worker 1's credentials send a model for its client's round 1 early, then a different one for the same round:
+    the second is refused and counted (`equivocation`), and worker 0's driver, which sees the broker-proven
+    publisher, cuts the client off, its held model included (never folded). Under a shared user nobody is cut off
+    (anyone could have sent either)."""
+    a, peer, forger = worker_0_and_forger(proven)
+    shapes = a.algorithm.ctx.model.shapes()
+    spec = {n: TensorSpec(s) for n, s in shapes.items()}
+    for value in (0.0, 1.0, 0.0):
+        lie = Envelope("robust", peer, 1, "models", 0, 0, {n: torch.full(s, value) for n, s in shapes.items()})
+        forger.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", "worker-1", peer, 0),
+                       *encode_message(lie, spec))
+    a.begin_round(0)
+    a.start_exchange(0)
+    while (msg := a.transport.receive(a.queue, 0.0)) is not None:
+        a.handle(msg)
+    assert a.stats.rejected["equivocation"] == 1
+    assert (peer in a.blocked, a.stats.blocked) == ((True, 1) if proven else (False, 0))
+    if not proven:
+        assert any(d.envelope.sender == peer for d in a.ledger.held)  # the first body waits for round 1
+        return
+    a.end_exchange()
+    a.end_round()
+    a.begin_round(1)
+    a.start_exchange(0)
+    assert not any(d.envelope.sender == peer for d in a.ledger.held) and a.stats.applied == 0
 
 
 # -- the running average's memory bound ----------------------------------------------------------------------

@@ -96,7 +96,12 @@ def test_mutating_calls_need_the_bearer_token(client: TestClient, coordinator: C
     experiment = created.json()["id"]
     assert client.post(f"/experiments/{experiment}:start").status_code == 401
     assert client.post(f"/experiments/{experiment}:stop").status_code == 401
-    assert client.get(f"/experiments/{experiment}").status_code == 200  # reads are open
+    # an API token guards reads too: with any token set, nothing is read without one
+    for path in ("/experiments", f"/experiments/{experiment}", f"/experiments/{experiment}/topology"):
+        assert client.get(path).status_code == 401, path
+        assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
+        assert client.get(path, headers=AUTH).status_code == 200, path
+    assert client.get("/livez").status_code == 200
     with TestClient(create_app(coordinator, None, "memory://")) as no_token:
         refused = no_token.post("/experiments", json=small(), headers=AUTH)
         assert refused.status_code == 401 and "DFCA_API_TOKEN" in refused.json()["detail"]
@@ -125,10 +130,10 @@ def test_delete_forgets_a_finished_experiment_and_refuses_a_running_one(client: 
     conflict = client.delete(f"/experiments/{running}", headers=AUTH)
     assert conflict.status_code == 409 and "stop it" in conflict.json()["detail"]
     assert client.delete(f"/experiments/{created}", headers=AUTH).json() == {"id": created, "deleted": True}
-    assert client.get(f"/experiments/{created}").status_code == 404
+    assert client.get(f"/experiments/{created}", headers=AUTH).status_code == 404
     assert client.delete(f"/experiments/{created}", headers=AUTH).status_code == 404
     assert client.post(f"/experiments/{running}:stop", headers=AUTH).status_code == 200
-    assert [e["id"] for e in client.get("/experiments").json()] == [running]
+    assert [e["id"] for e in client.get("/experiments", headers=AUTH).json()] == [running]
 
 
 def test_bodies_are_refused_before_they_are_read(client: TestClient) -> None:
@@ -176,13 +181,13 @@ def test_start_tells_workers_their_graph_and_stop_tells_them_to_stop(client: Tes
                                                                     broker: InMemoryBroker) -> None:
     probe = Probe(broker)
     experiment = client.post("/experiments", json=small(), headers=AUTH).json()["id"]
-    assert client.get(f"/experiments/{experiment}").json()["status"] == "created"
+    assert client.get(f"/experiments/{experiment}", headers=AUTH).json()["status"] == "created"
     started = client.post(f"/experiments/{experiment}:start", headers=AUTH)
     assert started.status_code == 200 and started.json()["status"] == "running"
     assert client.post(f"/experiments/{experiment}:start", headers=AUTH).status_code == 409
     (start,) = probe.commands()
     assert isinstance(start, StartCommand) and start.deployment == "dtest" and start.workers == 3
-    topology = client.get(f"/experiments/{experiment}/topology").json()
+    topology = client.get(f"/experiments/{experiment}/topology", headers=AUTH).json()
     assert start.neighbours == {int(c): m for c, m in topology["neighbours"].items()}
     assert all(start.neighbours[c] and c not in start.neighbours[c] for c in range(9))
     assert topology["worker_clients"] == {str(w): clients_of(w, 3, 9) for w in range(3)}
@@ -197,7 +202,7 @@ def test_edge_changes_rebind_and_reach_workers_with_an_effective_round(client: T
     experiment = client.post("/experiments", json=small(), headers=AUTH).json()["id"]
     client.post(f"/experiments/{experiment}:start", headers=AUTH)
     probe.commands()
-    before = client.get(f"/experiments/{experiment}/topology").json()
+    before = client.get(f"/experiments/{experiment}/topology", headers=AUTH).json()
     heard = {host_of(w, 3): {m for c in clients_of(w, 3, 9) for m in before["neighbours"][str(c)]} for w in range(3)}
     # a new edge whose u's worker heard nothing from v before: its queue must be bound to v now
     u, v = next((a, b) for a in range(9) for b in range(a + 1, 9)

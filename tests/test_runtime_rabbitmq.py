@@ -121,7 +121,7 @@ def test_end_to_end_over_rest_with_bad_input(rabbitmq_url: str, tmp_path: Path) 
     up = subprocess.Popen(
         [sys.executable, "-m", "dfca.cli", "up", "--workers", "3", "--topology-port", str(topology_port),
          "--metrics-port", str(metrics_port), "--worker-port-base", str(free_port_block(3)),
-         "--state-dir", str(tmp_path), "--log-files"],
+         "--state-dir", str(tmp_path), "--log-files", "--insecure-shared-broker-user"],  # the shared test node
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     assert up.stdout is not None

@@ -34,7 +34,7 @@ def coordinator(workers: int | None = None, state_dir: Path | None = None) -> Co
 
 def test_ifca_without_an_aggregator_is_refused_at_start_and_runs_once_one_announces_itself() -> None:
     c = coordinator(workers=3)
-    with TestClient(create_app(c, TOKEN, "memory://")) as client:
+    with TestClient(create_app(c, TOKEN, "memory://"), headers=AUTH) as client:
         experiment = client.post("/experiments", json=small(algorithm="ifca"), headers=AUTH).json()["id"]
         refused = client.post(f"/experiments/{experiment}:start", headers=AUTH)
         assert refused.status_code == 409 and "aggregator" in refused.json()["detail"]
@@ -49,7 +49,7 @@ def test_runtime_workers_that_disagree_with_the_workers_present_is_refused() -> 
     c = coordinator()
     for ordinal in range(3):
         c.on_event(PresenceEvent(deployment="dtest", worker=ordinal, workers=3))
-    with TestClient(create_app(c, TOKEN, "memory://")) as client:
+    with TestClient(create_app(c, TOKEN, "memory://"), headers=AUTH) as client:
         five = client.post("/experiments", json=small(runtime={"workers": 5}), headers=AUTH).json()["id"]
         refused = client.post(f"/experiments/{five}:start", headers=AUTH)
         assert refused.status_code == 409
@@ -93,7 +93,7 @@ def test_the_deployment_lists_the_workers_and_aggregator_heard_from_recently() -
     now = [1000.0]
     c = Coordinator(InMemoryTransport(InMemoryBroker()), "dtest", workers=3, clock=lambda: now[0])
     c.open()
-    with TestClient(create_app(c, TOKEN, "memory://")) as client:
+    with TestClient(create_app(c, TOKEN, "memory://"), headers=AUTH) as client:
         view = client.get("/deployment").json()
         assert view == {"deployment": "dtest", "workers": 3, "workers_present": [], "aggregator": False}
         assert not known_to_topology(client, "http://127.0.0.1:9", "aggregator")
@@ -124,7 +124,7 @@ def test_the_aggregator_is_ready_only_once_the_topology_service_knows_it() -> No
     service hears the next announcement, /readyz passes and IFCA starts, with no other step between."""
     bus = f"memory://ready-{uuid.uuid4().hex[:8]}"
     coordinator = Coordinator(connect_transport(bus), "dready", workers=3)
-    topology = TestClient(create_app(coordinator, TOKEN, bus))
+    topology = TestClient(create_app(coordinator, TOKEN, bus), headers=AUTH)
     aggregator = Aggregator("dready", bus, f"http://127.0.0.1:{free_port()}")  # running_specs: refused, retried
     aggregator._http = topology  # its readiness question reaches the in-process topology service
     try:

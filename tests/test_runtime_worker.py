@@ -80,15 +80,36 @@ def test_acks_wait_for_flush_so_a_crash_before_the_checkpoint_loses_nothing() ->
 
 def test_neighbours_are_given_up_after_repeated_misses_and_revived_when_they_catch_up() -> None:
     live = NeighbourLiveness(dead_after=2)
+    live.sighted(2, 1)
     live.observe_round(expected={1, 2, 3}, missing={2})
     assert live.dead == set()
     live.observe_round(expected={1, 2, 3}, missing={2})
     assert live.dead == {2}
     live.observe_round(expected={1, 3}, missing=set())  # not waited for: stays dead
     assert live.dead == {2}
-    assert live.revive({2: 3}, current_round=4) == []  # still behind
+    assert live.revive(live.sightings, current_round=4) == []  # nothing new from it: still silent
     assert live.revive({2: 4}, current_round=4) == [2]
     assert live.dead == set()
+
+
+def test_a_paused_neighbour_that_makes_progress_is_waited_for_again_while_it_catches_up() -> None:
+    """A worker paused for many rounds comes back far behind: each round it runs as long as everyone else's, so it
+    would never catch up unheard. A model of any later round than it had sent before it went silent revives it;
+    missing again, it is given up again, and revived by its next progress, until it is level."""
+    live = NeighbourLiveness(dead_after=2)
+    live.sighted(2, 3)
+    for _ in range(2):
+        live.observe_round(expected={1, 2}, missing={2})
+    assert live.dead == {2}
+    live.sighted(2, 3)  # a redelivery of what it had sent: no progress
+    assert live.revive(live.sightings, current_round=40) == [] and live.dead == {2}
+    live.sighted(2, 4)  # it is back, far behind
+    assert live.revive(live.sightings, current_round=40) == [2] and live.dead == set()
+    for _ in range(2):
+        live.observe_round(expected={1, 2}, missing={2})
+    assert live.dead == {2}
+    live.sighted(2, 20)
+    assert live.revive(live.sightings, current_round=42) == [2]
 
 
 def run_single_worker(cfg: ExperimentConfig, checkpoints: Path, experiment: str, broker: InMemoryBroker,

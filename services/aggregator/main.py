@@ -33,6 +33,7 @@ from dfca.runtime.protocol.messages import (
     decode_control,
     encode,
 )
+from dfca.runtime.service.broker_identity import warn_if_shared_user
 from dfca.runtime.service.event_consumer import QueueConsumer
 from dfca.runtime.service.http_service import add_health_routes, serve
 from dfca.runtime.service.registration import known_to_topology
@@ -154,6 +155,7 @@ def create_app(aggregator: Aggregator, broker_url: str) -> FastAPI:
 def main() -> None:
     settings = ServiceSettings.from_env("aggregator")
     configure_logging("aggregator", settings.log_level)
+    warn_if_shared_user(settings.broker_url, "aggregator")
     aggregator = Aggregator(deployment_tag(settings.topology_url), settings.broker_url, settings.topology_url,
                             settings.device, Path(settings.checkpoint_dir))
     aggregator.open()

@@ -43,6 +43,7 @@ from dfca.runtime.protocol.messages import (
     decode_event,
     event_principal,
 )
+from dfca.runtime.service.broker_identity import warn_if_shared_user
 from dfca.runtime.service.event_consumer import QueueConsumer
 from dfca.runtime.service.http_service import RequestGuard, add_health_routes, add_validation_errors, serve
 from dfca.runtime.service.structured_logs import configure_logging
@@ -288,6 +289,7 @@ async def progress_stream(store: MetricsStore, experiment: str) -> AsyncIterator
 def main() -> None:
     settings = ServiceSettings.from_env("metrics")
     configure_logging("metrics", settings.log_level)
+    warn_if_shared_user(settings.broker_url, "metrics")
     store = MetricsStore(settings.metrics_db_url)
     transport = connect_transport(settings.broker_url, name="dfca-metrics")
     collector = MetricsCollector(transport, store, deployment_tag(settings.topology_url))

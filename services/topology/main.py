@@ -22,6 +22,7 @@ from dfca.config import ExperimentConfig
 from dfca.identity.topics import deployment_tag
 from dfca.runtime.control.coordinator import ConfigRejected, Coordinator, InvalidTransition, UnknownExperiment
 from dfca.runtime.control.experiments import EdgeChangeInvalid
+from dfca.runtime.service.broker_identity import warn_if_shared_user
 from dfca.runtime.service.http_service import RequestGuard, add_health_routes, add_validation_errors, bearer_auth, serve
 from dfca.runtime.service.structured_logs import configure_logging
 from dfca.settings import ServiceSettings, env
@@ -131,6 +132,7 @@ def create_app(coordinator: Coordinator, token: str | None, broker_url: str, rea
 def main() -> None:
     settings = ServiceSettings.from_env("topology")
     configure_logging("topology", settings.log_level)
+    warn_if_shared_user(settings.broker_url, "topology")
     workers = env("DFCA_WORKERS")
     transport = connect_transport(settings.broker_url, name="dfca-topology")
     coordinator = Coordinator(transport, deployment_tag(settings.topology_url), int(workers) if workers else None,

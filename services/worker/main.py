@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from dfca.identity.topics import deployment_tag
+from dfca.runtime.service.broker_identity import warn_if_shared_user
 from dfca.runtime.service.http_service import add_health_routes, serve
 from dfca.runtime.service.structured_logs import configure_logging
 from dfca.runtime.worker.worker_agent import WorkerAgent
@@ -42,6 +43,7 @@ def main() -> None:
     settings = ServiceSettings.from_env("worker")
     ordinal = settings.worker_ordinal
     configure_logging(f"worker-{ordinal}", settings.log_level)
+    warn_if_shared_user(settings.broker_url, f"worker-{ordinal}")
 
     def connect(prefetch: int) -> Transport:
         return connect_transport(settings.broker_url, prefetch=prefetch, name=f"dfca-worker-{ordinal}")

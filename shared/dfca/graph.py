@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from typing import TYPE_CHECKING
 
 import networkx as nx
@@ -13,11 +14,25 @@ from torch import Tensor
 if TYPE_CHECKING:
     from dfca.sections import TopologyConfig
 
+# How long the topology service may spend drawing one experiment's graph: a request that asks for a graph it cannot
+# draw in this time (a tiny `p` with a huge `max_tries`) is refused at once instead of holding a CPU for minutes.
+REQUEST_BUDGET_S = 2.0
 
 
-def build_graph(topology: TopologyConfig, n: int, seed: int) -> nx.Graph:
-    """Draw the configured graph over n clients; retry with new seeds until it is connected."""
+class GraphBudgetExceeded(ValueError):
+    """No connected graph was drawn within the time budget."""
+
+
+def build_graph(topology: TopologyConfig, n: int, seed: int, budget_s: float | None = None) -> nx.Graph:
+    """Draw the configured graph over n clients; retry with new seeds until it is connected. With `budget_s`, give up
+    (GraphBudgetExceeded, naming the setting) once that many seconds of drawing passed without a connected graph."""
+    deadline = None if budget_s is None else time.monotonic() + budget_s
     for attempt in range(topology.max_tries):
+        if deadline is not None and attempt > 0 and time.monotonic() > deadline:
+            raise GraphBudgetExceeded(
+                f"topology: no connected {topology.kind} graph over {n} clients in {budget_s:g} s ({attempt} of "
+                f"topology.max_tries={topology.max_tries} tries drawn); raise topology.p (or radius) or lower "
+                "topology.max_tries")
         s = seed * 10_007 + attempt
         if topology.kind == "erdos_renyi":
             g = erdos_renyi_graph(n, topology.p, s)

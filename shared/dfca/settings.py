@@ -9,10 +9,11 @@ import os
 from dataclasses import dataclass
 
 ENV_VARS: dict[str, str] = {
-    "DFCA_BROKER_URL": "AMQP URL of RabbitMQ, e.g. amqp://dfca:dfca@127.0.0.1:5672/dfca",
+    "DFCA_BROKER_URL": "AMQP URL of RabbitMQ with this process's own user, e.g. amqp://dfca-worker-0:PASSWORD@127.0.0.1:5672/dfca",
     "DFCA_API_TOKEN": "bearer token that mutating REST calls must carry (it is good for reads too); only the topology "
                       "and metrics services hold it",
-    "DFCA_READ_TOKEN": "bearer token that reads of the REST APIs must carry; unset: reads are open",
+    "DFCA_READ_TOKEN": "bearer token that reads of the REST APIs may carry instead of the API token; with neither "
+                       "set, reads are open",
     "DFCA_BROKER_USERS": "JSON file of each principal's AMQP URL (python -m dfca.identity.broker_users) for `dfca up`",
     "DFCA_TOPOLOGY_URL": "base URL of the topology service, for workers and the aggregator",
     "DFCA_METRICS_URL": "base URL of the metrics service",

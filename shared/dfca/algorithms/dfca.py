@@ -64,7 +64,7 @@ from dfca.core.consensus import (
     source_weights,
 )
 from dfca.core.params import gather_clusters
-from dfca.core.screened_gossip import Screen, displacement
+from dfca.core.screened_gossip import Screen, displacement, screened_arrivals
 from dfca.core.seeding import SeedCandidates, first_slot_scores, fit_scores, refused_candidates, responds_to_input
 from dfca.models.batched import Params
 from dfca.run_size import SCREEN_COPIES
@@ -104,8 +104,8 @@ class DFCAConfig(Strict):
       lean (default): warmup_rounds 0, gossip_every 5, gossip_steps 5, and 8-bit payloads
             (runtime.payload_dtype int8): 0.9-1.5x the paper rule's bytes (docs/traffic.md);
       full: warmup_rounds 8, gossip_every 1, gossip_steps 3, float32 payloads: consensus every round,
-            10-20x the paper rule's bytes (the default before lean). `screen: true` implies full: the screen guards
-            gossip, not one-hop merges.
+            10-20x the paper rule's bytes (the default before lean). `screen: true` implies full; with traffic lean
+            named, the screen guards its one-hop merges too.
     """
 
     variant: Literal["paper", "robust"] = "robust"
@@ -131,9 +131,10 @@ class DFCAConfig(Strict):
     )
     screen: bool = Field(
         False,
-        description="robust: screened gossip against lying neighbours (core.screened_gossip): weights held to what "
-        "an honest client can send, estimates far from the receiver's model of last round or (for its own cluster) "
-        "much worse on its own data dropped; costs a copy of the models and a loss per arrival",
+        description="robust: screened gossip and merges against lying neighbours (core.screened_gossip): weights "
+        "held to what an honest client can send, estimates far from the receiver's model of last round or (for its "
+        "own cluster) against its own training step or much worse on its own data dropped; costs a copy of the "
+        "models and a loss on 64 samples per arrival of the receiver's own cluster",
     )
     screen_radius: float = Field(
         3.0, gt=0.0, le=1000.0,
@@ -288,6 +289,7 @@ class DFCA(Algorithm):
         self.sizes = sample_counts(ctx.data) if ctx.data is not None and ctx.data.is_ragged else None
         self.consensus: WalkConsensus | RoundedWalkConsensus | StepConsensus | None = None
         self.seeds: SeedCandidates | None = None
+        self.merge_screen: Screen | None = None  # what the open one-hop merge screens arrivals against
 
     def exchanges(self, t: int) -> list[Exchange]:
         if self.schedule.seeding(t) is not None:
@@ -316,7 +318,7 @@ class DFCA(Algorithm):
         d = self.data()
         self.assigned = assign_clusters(self.losses)  # eq. 4
         agreeing = self.schedule.agrees_on_initial_models(t)
-        screening = cfg.dfca.screen and self.schedule.gossip_steps(t) > 0 and not agreeing
+        screening = cfg.dfca.screen and cfg.dfca.variant == "robust" and not agreeing
         anchor = {n: v.clone() for n, v in self.params.items()} if screening else None
         train_assigned(  # eq. 5
             self.ctx.model, self.params, self.assigned, d, lr=self.schedule.lr(t),
@@ -338,17 +340,20 @@ class DFCA(Algorithm):
             self.weight = self_weights(self.assigned, self.k, cfg.dfca.merge_rule)
             if self.sizes is not None:
                 self.weight *= self.sizes.unsqueeze(1)
+            self.merge_screen = self.screen(anchor) if anchor is not None else None
 
     def screen(self, anchor: Params) -> Screen:
-        """What this round's gossip screens arrivals against (core.screened_gossip): last round's models, the
-        distance this round's training moved each client's own, and the loss test on its own data (at most
-        SCREEN_SAMPLES of its training samples, the same ones for the anchor and every estimate)."""
+        """What this round's gossip or merge screens arrivals against (core.screened_gossip): last round's models,
+        the step this round's training moved each client's own (its length makes the radius), and the loss test on
+        its own data (at most SCREEN_SAMPLES of its training samples, the same ones for the anchor and every
+        estimate)."""
         d = self.ctx.cfg.dfca
+        rows = torch.arange(len(self.ctx.clients), device=self.ctx.device)
+        step = {n: v[rows, self.assigned] - anchor[n][rows, self.assigned] for n, v in self.params.items()}
         radius = d.screen_radius * displacement(self.params, anchor, self.assigned).clamp_min(1e-6)
-        self.anchor_loss = self.sample_loss(torch.arange(len(self.ctx.clients), device=self.ctx.device),
-                                            gather_clusters(anchor, self.assigned))
+        self.anchor_loss = self.sample_loss(rows, gather_clusters(anchor, self.assigned))
         return Screen(anchor, radius.to(self.ctx.device), self.assigned, 1 + (self.k - 1) * d.untrained_weight,
-                      self.fits_own_data, d.screen_trim)
+                      self.fits_own_data, d.screen_trim, step)
 
     def sample_loss(self, rows: Tensor, models: Params) -> Tensor:
         """[R]: the loss of models [R, ...] on the first SCREEN_SAMPLES training samples of each row."""
@@ -410,8 +415,13 @@ class DFCA(Algorithm):
         if ex.name == "gossip":
             assert self.consensus is not None
             return self.consensus.receive(inbox.delivered, inbox.tensors)
-        arrivals = inbox.delivered if self.sizes is None else inbox.delivered * inbox.tensors["samples"].unsqueeze(0)
-        return fold_models(self.params, self.weight, arrivals, inbox.part, inbox.tensors)  # eq. 7/8, n-weighted
+        delivered = inbox.delivered
+        if self.merge_screen is not None:  # a robust one-hop merge, screened like a gossip step
+            delivered = screened_arrivals(delivered, inbox.part, inbox.tensors, self.merge_screen)
+            self.screened += int((inbox.delivered & ~delivered).sum())
+        arrivals = delivered if self.sizes is None else delivered * inbox.tensors["samples"].unsqueeze(0)
+        fold_models(self.params, self.weight, arrivals, inbox.part, inbox.tensors)  # eq. 7/8, n-weighted
+        return int(inbox.delivered.sum())  # taken, folded or screened out
 
     def candidate_check(self, rows: Tensor, candidates: Params) -> Tensor:
         """[R] bool: the candidate each row would keep is a finite model whose output depends on that row's inputs,
@@ -444,7 +454,8 @@ class DFCA(Algorithm):
             self.seeds.install(self.params, step.slot)
             if t + 1 == self.schedule.seeding_rounds:
                 self.seeds = None  # the local models are no longer needed
-        elif self.consensus is not None:
+        self.merge_screen = None
+        if step is None and self.consensus is not None:
             self.consensus.finish(self.params)
             if isinstance(self.consensus, StepConsensus):
                 self.screened += self.consensus.dropped

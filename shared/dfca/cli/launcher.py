@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from typing import IO
 
 import httpx
 
-from dfca.identity import topics
+from dfca.identity import principals, topics
 from dfca.identity.principals import worker
 from dfca.runtime.service.http_service import broker_reachable
 from dfca.settings import DEFAULT_PORTS
@@ -54,15 +55,18 @@ class StackOptions:
     aggregator_port: int | None = None  # None: no aggregator
     worker_port_base: int = 8090  # worker i serves health on worker_port_base + i
     api_token: str = ""
-    read_token: str = ""  # DFCA_READ_TOKEN: reads of both APIs need it (or the API token); empty: reads are open
+    read_token: str = ""  # DFCA_READ_TOKEN: what workers and the aggregator read with; empty: made by the Stack
     state_dir: Path = Path(".dfca")  # checkpoints/, metrics.db, logs/ (with log_to_files)
     metrics_db_url: str | None = None
     data_root: str | None = None
     log_level: str = "INFO"
     log_to_files: bool = True  # each service's log in state_dir/logs/<name>.log; False: this process's stderr
     restart: bool = True
-    # principal -> its own AMQP URL (dfca.identity.broker_users); None: broker_url
+    # principal -> its own AMQP URL (dfca.identity.broker_users); None: `run_stack` creates them, or (only with
+    # shared_broker_user) every process uses broker_url
     broker_users: dict[str, str] | None = None
+    shared_broker_user: bool = False  # --insecure-shared-broker-user: every process as broker_url's user
+    rabbitmqctl: str = "rabbitmqctl"  # how `run_stack` reaches the broker's node to create the users
     model_factories: str = ""  # DFCA_MODEL_FACTORIES: what model factories (model.kind: torch) the stack may import
     # worker ordinal -> the program that runs that worker instead of `dfca worker` (an instrumented build, say)
     worker_programs: dict[int, list[str]] = field(default_factory=dict)
@@ -141,6 +145,8 @@ class Stack:
     """The processes of one local deployment; `poll()` restarts the ones that died."""
 
     def __init__(self, options: StackOptions) -> None:
+        if options.api_token and not options.read_token:  # workers read with it: any token set guards every read
+            options.read_token = secrets.token_urlsafe(24)
         self.options = options
         self.services: dict[str, ServiceProcess] = {}
         self.lock = threading.RLock()
@@ -309,22 +315,28 @@ class Stack:
                 "pids": self.pids(), "started_at": time.time()}
 
     def status_block(self, token_file: Path | None, state_files: list[Path]) -> str:
-        """What `dfca up` prints under the ready line: where everything is and how to stop it."""
+        """What `dfca up` prints under the ready line: where everything is, the tokens it made, how to stop it."""
         options = self.options
         logs = (f"{(options.state_dir / 'logs').resolve()}/<service>.log" if options.log_to_files
                 else "this terminal (--log-to-terminal)")
+        dashboard = f"{options.metrics_url}/ui"
         if token_file is not None:
-            token = f"API token in {token_file.resolve()} (the dfca commands read it from there)"
+            token = f"API token {options.api_token} (in {token_file.resolve()}; the dfca commands read it from there)"
+            dashboard += f"#token={options.api_token}"
         else:
             token = "API token from DFCA_API_TOKEN"
-        reads = ("reads need DFCA_READ_TOKEN or the API token" if options.read_token
-                 else "reads are open (no DFCA_READ_TOKEN)")
+        reads = f"read token {options.read_token} (workers read with it); every read needs a token"
+        users = ("ONE SHARED BROKER USER for every process (--insecure-shared-broker-user): a worker's credentials "
+                 "can forge any message" if options.broker_users is None
+                 else f"one per principal ({len(options.broker_users)} users)")
         lines = [
             f"  topology   {options.topology_url}",
             f"  metrics    {options.metrics_url}",
-            f"  dashboard  {options.metrics_url}/ui",
+            f"  dashboard  {dashboard}",
             f"  logs       {logs}",
-            f"  tokens     {token}; {reads}",
+            f"  tokens     {token}",
+            f"             {reads}",
+            f"  broker     {users}",
         ]
         if state_files:
             lines.append(f"  state      {', '.join(str(p.absolute()) for p in state_files)}")
@@ -340,34 +352,52 @@ class Stack:
                 "everything")
 
 
-def write_token_file(options: StackOptions) -> Path:
-    """The API token `dfca up` made, in `<state dir>/api-token`, readable by this user only."""
-    path = options.state_dir / "api-token"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(options.api_token + "\n")
-    return path
+def prepare_credentials(options: StackOptions) -> tuple[Path | None, str | None]:
+    """The tokens and broker users `dfca up` needs, made where none were given (dfca.cli.stack_credentials). Returns
+    the API token file it wrote (None: DFCA_API_TOKEN) and, where the stack cannot start, why."""
+    from dfca.cli import stack_credentials as credentials
+
+    address = credentials.BrokerAddress.of(options.broker_url)
+    if not address.listening():
+        return None, (f"no RabbitMQ answers at {address.host}:{address.port}; start one (scripts/start_rabbitmq.sh) "
+                      "or pass --broker URL")
+    if options.shared_broker_user:
+        log.warning("every process connects as the shared broker user %r (--insecure-shared-broker-user): "
+                    "receivers cannot tell publishers apart", credentials.user_of_url(options.broker_url))
+    elif options.broker_users is None:
+        try:
+            options.broker_users = credentials.create_broker_users(
+                shlex.split(options.rabbitmqctl), address, options.workers, options.state_dir)
+        except credentials.CredentialsError as err:
+            return None, (f"cannot create the stack's broker users: {err}. Give users made beforehand "
+                          "(--broker-users FILE), point --rabbitmqctl at the broker's node, or (local development "
+                          "only) pass --insecure-shared-broker-user")
+    probe = options.broker_url_of(principals.TOPOLOGY)
+    if not broker_reachable(probe):
+        return None, f"RabbitMQ at {address.host}:{address.port} refuses {credentials.user_of_url(probe)!r}"
+    token_file: Path | None = None
+    if not options.api_token:
+        options.api_token = credentials.new_token()
+        token_file = credentials.token_file(options.state_dir, credentials.API_TOKEN_FILE, options.api_token)
+    if not options.read_token:
+        options.read_token = credentials.new_token()
+        credentials.token_file(options.state_dir, credentials.READ_TOKEN_FILE, options.read_token)
+    return token_file, None
 
 
 def run_stack(options: StackOptions) -> int:
     """Run until SIGTERM/SIGINT; returns the exit code for `dfca up`."""
     from dfca.cli import stack_state
 
-    if not broker_reachable(options.broker_url):
-        print(f"dfca up: no RabbitMQ answers at {options.broker_url}; start one (scripts/start_rabbitmq.sh) "
-              "or pass --broker URL", file=sys.stderr)
-        return 1
     running = stack_state.read(options.state_dir / stack_state.FILE_NAME)
     if running is not None and running.running and running.pid != os.getpid():
         print(f"dfca up: a stack (pid {running.pid}) already runs from {options.state_dir}; stop it with "
               "`dfca down` or pick another --state-dir", file=sys.stderr)
         return 1
-    token_file: Path | None = None
-    if not options.api_token:
-        options.api_token = secrets.token_urlsafe(24)
-        token_file = write_token_file(options)
+    token_file, refusal = prepare_credentials(options)
+    if refusal is not None:
+        print(f"dfca up: {refusal}", file=sys.stderr)
+        return 1
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -396,6 +426,7 @@ def run_stack(options: StackOptions) -> int:
         stack_state.remove(state_files, os.getpid())
         if token_file is not None:
             token_file.unlink(missing_ok=True)
+        (options.state_dir / "read-token").unlink(missing_ok=True)
         for s, handler in previous.items():
             signal.signal(s, handler)
         print("dfca up: stopped; every process exited", file=sys.stderr, flush=True)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from dfca.config import ExperimentConfig
+    from dfca.data import FederatedData
     from dfca.schedule import RoundSchedule
 
 app = typer.Typer(add_completion=False, help="Decentralized clustered federated learning (DFCA and baselines).")
@@ -63,13 +64,14 @@ def _load(config: Path | None, overrides: list[str] | None = None) -> Experiment
         raise typer.Exit(2) from err
 
 
-def _check_model(cfg: ExperimentConfig) -> None:
+def _check_model(cfg: ExperimentConfig, data: FederatedData | None = None) -> None:
     """A `kind: torch` model must come out of its factory fitting the data (dfca.models.factory), before any data
-    is read; this is the user's own process, so the factory may be any module or file."""
+    is read (`data`: a folder federation's, read already); this is the user's own process, so the factory may be
+    any module or file."""
     from dfca.models.factory import ModelFactoryError, check_config_model
 
     try:
-        check_config_model(cfg)
+        check_config_model(cfg, read=None if data is None else (data.input_shape, data.num_classes))
     except ModelFactoryError as err:
         console.print(f"[bold red]invalid config:[/] {err}")
         raise typer.Exit(2) from err
@@ -108,7 +110,7 @@ def results_table(summary: dict[str, Any]) -> Table:
         keys = (*keys[:at], "seeding_rounds", *keys[at:])
     if summary.get("padding_overhead", 1.0) > 1.0:  # clients of unequal size: rows stored per real row
         keys = (*keys, "samples_per_client", "padding_overhead")
-    for key in keys:
+    for key in (k for k in keys if k in summary):  # ARI only where the true clusters are known
         value = summary[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     return table
@@ -128,6 +130,7 @@ def run(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from dfca.algorithms import schedule_of
+    from dfca.cli.data_commands import folder_data
     from dfca.results.outputs import MetricsLog, plot_history, save_models, write_summary
     from dfca.results.run_folder import OutFolderRefused, prepare_out, written_files
     from dfca.simulator import simulate
@@ -135,7 +138,8 @@ def run(
     overrides = list(sets or []) + [f"{k}={v}" for k, v in (("rounds", rounds), ("seed", seed)) if v is not None]
     cfg = _load(config, overrides)
     _check_device(cfg)
-    _check_model(cfg)
+    data = folder_data(cfg)
+    _check_model(cfg, data)
     try:
         out = prepare_out(out, force)
     except OutFolderRefused as err:
@@ -160,7 +164,7 @@ def run(
                             status=round_status(record))
 
         try:
-            result = simulate(cfg, on_round=on_round)
+            result = simulate(cfg, data=data, on_round=on_round)
         except (ValueError, FileNotFoundError) as err:
             console.print(f"[bold red]error:[/] {err}")
             raise typer.Exit(1) from err
@@ -183,13 +187,17 @@ def run(
 def validate(config: Path = typer.Argument(..., help="experiment YAML"),
              sets: list[str] = typer.Option(None, "--set", help=SET_HELP)) -> None:
     """Check a config file (with any --set overrides) against the schema, that its `device` is here, and that a
-    `model.kind: torch` factory makes a module that fits the data."""
+    `model.kind: torch` factory makes a module that fits the data; a folder federation's files are read and checked."""
+    from dfca.cli.data_commands import folder_data
     from dfca.devices import resolve_device
 
     cfg = _load(config, sets)
     _check_device(cfg)
-    _check_model(cfg)
-    console.print(f"[green]ok[/]: {cfg.name} ({cfg.algorithm}, device {resolve_device(cfg.device)})")
+    data = folder_data(cfg)
+    _check_model(cfg, data)
+    read = f", {data.num_clients} clients read from {cfg.data.path}" if data is not None else ""
+    console.print(f"[green]ok[/]: {cfg.name} ({cfg.algorithm}, device {resolve_device(cfg.device)}{read})",
+                  highlight=False)
 
 
 def _service(name: str) -> None:
@@ -240,14 +248,22 @@ def up(
     log_to_files: bool = typer.Option(True, "--log-files/--log-to-terminal",
                                       help="services log to STATE_DIR/logs/<service>.log; --log-to-terminal: "
                                            "their JSON log lines go to this terminal instead"),
-    broker_users: Path = typer.Option(None, "--broker-users", help="each process connects as its own broker user: "
+    broker_users: Path = typer.Option(None, "--broker-users", help="the principals' broker users, made beforehand: "
                                       "the URLs `python -m dfca.identity.broker_users create` wrote (default "
-                                      "DFCA_BROKER_USERS; none: every process uses --broker)"),
+                                      "DFCA_BROKER_USERS; none: `dfca up` creates them, STATE_DIR/broker-users.json)"),
+    rabbitmqctl: str = typer.Option(None, "--rabbitmqctl", help="how to reach the broker's node to create the "
+                                    "users [default: rabbitmqctl as root, else 'sudo -n rabbitmqctl']"),
+    insecure_shared_broker_user: bool = typer.Option(
+        False, "--insecure-shared-broker-user", help="every process connects as --broker's user, with no broker "
+        "users of their own: any worker's credentials can then forge control commands and other workers' models "
+        "(local development only; every service warns)"),
 ) -> None:
     """Run the whole stack locally (topology, metrics, N workers) as OS processes; Ctrl-C or `dfca down` stops it.
 
-    Prints where the APIs, the dashboard, the logs and the API token are once every process is ready, and writes
-    STATE_DIR/stack.json (and ~/.dfca/stack.json), which `dfca submit|status|stop|logs|results|down` read."""
+    Each process connects as its own broker user, created at start; without DFCA_API_TOKEN and DFCA_READ_TOKEN it
+    makes both tokens, and every read of either API needs one. Prints where the APIs, the dashboard, the logs and the
+    tokens are once every process is ready, and writes STATE_DIR/stack.json (and ~/.dfca/stack.json), which
+    `dfca submit|status|stop|logs|results|down` read."""
     import os
 
     from dfca.cli.launcher import StackOptions, run_stack
@@ -263,9 +279,14 @@ def up(
         metrics_db_url=os.environ.get("DFCA_METRICS_DB_URL"), data_root=os.environ.get("DFCA_DATA_ROOT"),
         log_level=os.environ.get("DFCA_LOG_LEVEL", "INFO"), log_to_files=log_to_files,
         model_factories=os.environ.get("DFCA_MODEL_FACTORIES", ""),
+        shared_broker_user=insecure_shared_broker_user,
+        rabbitmqctl=rabbitmqctl or ("rabbitmqctl" if os.geteuid() == 0 else "sudo -n rabbitmqctl"),
     )
     users_file = broker_users or (Path(os.environ["DFCA_BROKER_USERS"]) if os.environ.get("DFCA_BROKER_USERS")
                                   else None)
+    if users_file is not None and insecure_shared_broker_user:
+        typer.echo("dfca up: --broker-users and --insecure-shared-broker-user contradict each other", err=True)
+        raise typer.Exit(2)
     if users_file is not None:
         try:
             options.broker_users = read_urls(users_file)
@@ -318,7 +339,8 @@ def round_status(record: dict[str, Any]) -> str:
                 f"|I| {record['isolated_clusters']:.0f}")
     if "inferred_clusters" in record:
         return f"K {record['inferred_clusters']:.0f} acc {record['test_accuracy']:.3f} F1 {record['macro_f1']:.3f}"
-    return f"acc {record['test_accuracy']:.3f} ARI {record['ari']:.2f}"
+    ari = f" ARI {record['ari']:.2f}" if "ari" in record else ""  # none where the true clusters are unknown
+    return f"acc {record['test_accuracy']:.3f}{ari}"
 
 
 def phase_bars(progress: Progress, schedule: RoundSchedule) -> dict[str, TaskID]:
@@ -342,9 +364,11 @@ def seeding_note(cfg: ExperimentConfig) -> str:
     return f" after {seeding} rounds of farthest-first seeding (dfca.seeding)" if seeding else ""
 
 
+from dfca.cli.data_commands import register as _register_data_commands  # noqa: E402
 from dfca.cli.remote_commands import register as _register_remote_commands  # noqa: E402
 
 _register_remote_commands(app)
+_register_data_commands(app)
 
 
 def main() -> None:

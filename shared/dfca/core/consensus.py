@@ -255,9 +255,11 @@ class StepConsensus:
         """(own + sum of arrived) / (1 + arrivals): one gossip step of P (screened, with a `screen`)."""
         if self.screen is not None:
             if self.arrivals:
-                delivered = torch.cat([d for d, _, _ in self.arrivals], dim=1)
-                nums = {n: torch.cat([a[n] for _, a, _ in self.arrivals]) for n in self.num}
-                dens = torch.cat([d for _, _, d in self.arrivals])
+                delivered, nums, dens = self.arrivals[0]
+                if len(self.arrivals) > 1:  # the message driver's arrivals, taken together
+                    delivered = torch.cat([d for d, _, _ in self.arrivals], dim=1)
+                    nums = {n: torch.cat([a[n] for _, a, _ in self.arrivals]) for n in self.num}
+                    dens = torch.cat([d for _, _, d in self.arrivals])
                 self.num, self.den, dropped = screened_mix(self.num, self.den, delivered, nums, dens, self.screen)
                 self.dropped += dropped
             self.arrivals = []

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from dfca.core.ratio import MIN_WEIGHT, trailing
 
-BLOCK_FLOATS = 1 << 25  # message estimates formed at once (128 MiB of float32)
+BLOCK_FLOATS = 1 << 25  # parameter values of tested estimates formed at once (128 MiB of float32)
 
 # (receiver rows [P], their estimates of their own cluster [P, ...]) -> [P] bool: keep the estimate
 EstimateTest = Callable[[Tensor, dict[str, Tensor]], Tensor]
@@ -47,6 +47,7 @@ class Screen:
     budget: float  # an honest message's largest total den: 1 + (k - 1) untrained_weight
     test: EstimateTest | None  # the data test of an estimate of the row's own cluster
     trim: float = 0.0  # > 0: the estimate is the coordinate-wise trimmed mean of what was kept, this cut per end
+    step: dict[str, Tensor] | None = None  # [M, ...]: this round's training step of each row's own model
 
 
 def budgeted(den: Tensor, budget: float) -> tuple[Tensor, Tensor]:
@@ -58,32 +59,77 @@ def budgeted(den: Tensor, budget: float) -> tuple[Tensor, Tensor]:
     return clean, scale
 
 
-def _flat(t: Tensor, j: int) -> Tensor:
-    """[R, k, ...] -> cluster j as [R, F]."""
-    return t[:, j].reshape(t.shape[0], -1)
+def by_cluster(t: Tensor) -> Tensor:
+    """[R, k, ...] -> [k, R, F], a view where the layout allows."""
+    return t.reshape(t.shape[0], t.shape[1], -1).transpose(0, 1)
 
 
 def anchor_distances(num: Mapping[str, Tensor], den: Tensor, anchor: Mapping[str, Tensor]) -> Tensor:
     """[M, S, k]: |num[s, j] / den[s, j] - anchor[i, j]| over all of cluster j's tensors, for every row i and message
-    s, as |e|^2 + |a|^2 - 2 a.e (one matrix product per cluster and tensor, no copy per pair)."""
-    m, (s, k) = next(iter(anchor.values())).shape[0], den.shape
-    sq = torch.zeros(m, s, k, dtype=torch.float64, device=den.device)
-    inv = 1.0 / den.clamp_min(MIN_WEIGHT)
+    s, as (|n|^2 / d^2 + |a|^2 - 2 a.n / d), one batched product over the clusters per tensor: no estimate is formed."""
+    inv = 1.0 / den.clamp_min(MIN_WEIGHT).double()  # [S, k]
+    sq = torch.zeros(next(iter(anchor.values())).shape[0], *den.shape, dtype=torch.float64, device=den.device)
     for name, a in anchor.items():
-        for j in range(k):
-            aj = _flat(a, j)  # [M, F]
-            a_sq = (aj * aj).sum(1).unsqueeze(1)
-            step = max(1, BLOCK_FLOATS // max(1, aj.shape[1]))
-            for lo in range(0, s, step):  # the estimates of `step` messages at a time: [step, F]
-                e = _flat(num[name][lo:lo + step], j).to(a.dtype) * inv[lo:lo + step, j].to(a.dtype).unsqueeze(1)
-                sq[:, lo:lo + step, j] += (a_sq + (e * e).sum(1).unsqueeze(0) - 2 * aj @ e.T).double()
+        aj, nj = by_cluster(a), by_cluster(num[name].to(a.dtype))  # [k, M, F], [k, S, F]
+        cross = torch.bmm(aj, nj.transpose(1, 2)).permute(1, 2, 0).double()  # [M, S, k]: a.n
+        n_sq = nj.pow(2).sum(2).T.double()  # [S, k]
+        a_sq = aj.pow(2).sum(2).T.double()  # [M, k]
+        sq += a_sq.unsqueeze(1) + (n_sq * inv * inv).unsqueeze(0) - 2 * cross * inv.unsqueeze(0)
     return sq.clamp_min(0.0).sqrt()
 
 
-def own_cluster_estimates(num: Mapping[str, Tensor], den: Tensor, cols: Tensor, clusters: Tensor) -> dict[str, Tensor]:
-    """[P, ...]: each pair's arrived estimate of the receiver's own cluster (`clusters` [P])."""
-    d = den[cols, clusters].clamp_min(MIN_WEIGHT)
-    return {n: v[cols, clusters] / trailing(d.to(v.dtype), v[cols, clusters]) for n, v in num.items()}
+def message_distances(models: Mapping[str, Tensor], part: Tensor, anchor: Mapping[str, Tensor]) -> Tensor:
+    """[M, S]: |models[s] - anchor[i, part[s]]| for every row i and message s (a model of cluster part[s])."""
+    m, s = next(iter(anchor.values())).shape[0], part.shape[0]
+    sq = torch.zeros(m, s, dtype=torch.float64, device=part.device)
+    for name, a in anchor.items():
+        x = models[name].reshape(s, -1).to(a.dtype)
+        for j in part.unique().tolist():
+            cols = (part == j).nonzero().squeeze(1)
+            aj, xj = a[:, j].reshape(m, -1), x.index_select(0, cols)
+            sq[:, cols] += ((aj * aj).sum(1).unsqueeze(1) + (xj * xj).sum(1).unsqueeze(0) - 2 * aj @ xj.T).double()
+    return sq.clamp_min(0.0).sqrt()
+
+
+def own_cluster_checks(rows: Tensor, flat: Tensor, values: Mapping[str, Tensor], divisor: Tensor | None,
+                       screen: Screen, along: bool = True) -> Tensor:
+    """[P] bool: the estimates of pairs p of each row `rows[p]`'s own cluster pass the direction and data tests.
+
+    values: name -> [Q, ...] the estimates' numerators, flat [P] the row of each pair's, divisor [Q] their den (None:
+    models, no den). Direction: an estimate of the row's own cluster moved from the anchor along, not against, the
+    row's own training step (every honest copy was trained on data like the row's from about the same anchor; only
+    where `along`); data: screen.test. Formed block by block (BLOCK_FLOATS values at once)."""
+    per_pair = sum(v[0].numel() for v in values.values())
+    block = max(1, BLOCK_FLOATS // max(1, per_pair))
+    ok = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+    for lo in range(0, rows.shape[0], block):
+        r, f = rows[lo:lo + block], flat[lo:lo + block]
+        est = {n: v.index_select(0, f) for n, v in values.items()}
+        if divisor is not None:
+            d = divisor.index_select(0, f).clamp_min(MIN_WEIGHT)
+            est = {n: v / trailing(d.to(v.dtype), v) for n, v in est.items()}
+        if along and screen.step is not None:
+            moved = torch.zeros(r.shape[0], dtype=torch.float64, device=r.device)
+            for n, v in est.items():
+                own = screen.anchor[n][r, screen.clusters[r]]
+                moved += ((v - own) * screen.step[n].index_select(0, r)).reshape(r.shape[0], -1).sum(1).double()
+            ok[lo:lo + block] &= moved >= 0
+        if screen.test is not None:
+            ok[lo:lo + block] &= screen.test(r, est)
+    return ok
+
+
+def screened_arrivals(delivered: Tensor, part: Tensor, models: Mapping[str, Tensor], screen: Screen) -> Tensor:
+    """[M, S] bool: the one-hop merge's arrivals (message s a model of cluster part[s]) row i keeps: within its
+    radius of its anchor of that cluster, and, for its own cluster, passing the data test. Not the direction test:
+    between the lean schedule's gossip rounds neighbours' anchors drift apart, and a model's difference from the
+    receiver's anchor is that drift as much as the sender's step (measured: it dropped honest models by the
+    thousand)."""
+    keep = delivered & (message_distances(models, part, screen.anchor) <= screen.radius.unsqueeze(1))
+    rows, cols = (keep & (part.unsqueeze(0) == screen.clusters.unsqueeze(1))).nonzero(as_tuple=True)
+    if rows.numel():
+        keep[rows, cols] = own_cluster_checks(rows, cols, models, None, screen, along=False)
+    return keep
 
 
 def screened_mix(num: dict[str, Tensor], den: Tensor, delivered: Tensor, arrived_num: Mapping[str, Tensor],
@@ -94,32 +140,32 @@ def screened_mix(num: dict[str, Tensor], den: Tensor, delivered: Tensor, arrived
     [S, k, ...], arrived_den [S, k]: the messages (not changed). An arrival of (about) no weight, den <= MIN_WEIGHT, is
     dropped too: it carries no estimate, and its num could carry anything.
     """
+    k = den.shape[1]
     clean, scale = budgeted(arrived_den, screen.budget)
-    informative = clean > MIN_WEIGHT  # [S, k]
-    keep = (delivered.unsqueeze(2) & informative.unsqueeze(0)
-            & (anchor_distances(arrived_num, arrived_den, screen.anchor) <= screen.radius.view(-1, 1, 1)))  # [M, S, k]
-    if screen.test is not None:
-        rows, cols = delivered.nonzero(as_tuple=True)
-        own = screen.clusters[rows]
-        tested = keep[rows, cols, own]
-        if bool(tested.any()):
-            at = tested.nonzero().squeeze(1)
-            passed = screen.test(rows[at], own_cluster_estimates(arrived_num, arrived_den, cols[at], own[at]))
-            keep[rows[at], cols[at], own[at]] = passed
-    dropped = int((delivered.unsqueeze(2) & informative.unsqueeze(0) & ~keep).sum())
+    informative = delivered.unsqueeze(2) & (clean > MIN_WEIGHT).unsqueeze(0)  # [M, S, k]
+    keep = informative & (anchor_distances(arrived_num, arrived_den, screen.anchor) <= screen.radius.view(-1, 1, 1))
+    rows, cols = delivered.nonzero(as_tuple=True)
+    own = screen.clusters[rows]
+    tested = keep[rows, cols, own]
+    if screen.test is not None or screen.step is not None:
+        at = tested.nonzero().squeeze(1)
+        if at.numel():
+            flat = cols[at] * k + own[at]  # the pair's (message, cluster) in [S * k]
+            values = {n: v.reshape(-1, *v.shape[2:]) for n, v in arrived_num.items()}
+            keep[rows[at], cols[at], own[at]] = own_cluster_checks(rows[at], flat, values, arrived_den.reshape(-1),
+                                                                   screen)
+    dropped = int((informative & ~keep).sum())
     weight = keep.to(den.dtype)  # [M, S, k]
-    degree = delivered.sum(1).to(den.dtype)
-    new_den = (den + (weight * clean.to(den.dtype).unsqueeze(0)).sum(1)) / trailing(degree + 1, den)
+    divisor = delivered.sum(1).to(den.dtype) + 1
+    new_den = (den + (weight * clean.to(den.dtype).unsqueeze(0)).sum(1)) / trailing(divisor, den)
     if screen.trim > 0:
-        rows, cols = delivered.nonzero(as_tuple=True)
         est = trimmed_estimates(num, den, arrived_num, arrived_den, rows, cols, keep[rows, cols], screen.trim)
         return {n: v * trailing(new_den.to(v.dtype), v) for n, v in est.items()}, new_den, dropped
-    mix = weight * scale.to(den.dtype).unsqueeze(0)  # [M, S, k]: what each arrived num counts for
+    mix = (weight * scale.to(den.dtype).unsqueeze(0)).permute(2, 0, 1)  # [k, M, S]: what each arrived num counts for
     out: dict[str, Tensor] = {}
     for n, v in num.items():
-        total = torch.stack([mix[:, :, j].to(v.dtype) @ _flat(arrived_num[n], j).to(v.dtype)
-                             for j in range(den.shape[1])], 1).reshape(v.shape)
-        out[n] = (v + total) / trailing(degree + 1, v)
+        total = torch.bmm(mix.to(v.dtype), by_cluster(arrived_num[n].to(v.dtype)))  # [k, M, F]
+        out[n] = (v + total.transpose(0, 1).reshape(v.shape)) / trailing(divisor, v)
     return out, new_den, dropped
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from dfca.algorithms import has_central_role
 from dfca.config import ExperimentConfig
-from dfca.graph import build_graph
+from dfca.graph import REQUEST_BUDGET_S, build_graph
 from dfca.identity import topics
 from dfca.identity.broker_setup import bind_to_deployment, ensure_broker_topology
 from dfca.identity.principals import host_of, worker
@@ -137,7 +137,7 @@ class Coordinator:
         except ModelFactoryError as err:
             raise ConfigRejected(err.field, str(err)) from err
         try:
-            graph = build_graph(cfg.topology, cfg.data.clients, cfg.seed)
+            graph = build_graph(cfg.topology, cfg.data.clients, cfg.seed, budget_s=REQUEST_BUDGET_S)
         except ValueError as err:
             raise ConfigRejected("topology", str(err)) from err
         record = ExperimentRecord.new(experiment_id(cfg), cfg, graph, self.worker_count(cfg))

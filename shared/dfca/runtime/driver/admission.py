@@ -9,15 +9,22 @@ Admission decides, the driver acts (acknowledges, rejects, unbinds); nothing her
 - cut-off: where publishers are proven, a sender under whose key BLOCK_AFTER_INVALID malformed messages, or as many
   repeats of messages already used, came in one round is `blocked` for the rest of the run (the broker's own
   redeliveries do not count; without proven publishers anyone could frame an honest client, so nobody is);
-- future rounds: a message more than MAX_ROUNDS_AHEAD rounds ahead of the receiver is refused (`future_round`),
-  so forged rounds cannot pile up in memory.
+- near rounds: a model is let in only once its round is near: at most NEAR_ROUNDS after the furthest round the run
+  has reached as the receiver knows it (its own round, and the rounds of messages let in from every *other* host
+  than the sender's), and never more than MAX_ROUNDS_AHEAD after its own round (`future_round`). A host cannot
+  vouch for itself, so models a worker sends for rounds the others have not reached (pre-sent lies, to be the first
+  copy when the round comes) are refused, and forged rounds cannot pile up in memory;
+- equivocation: two different bodies (their sha256) for the same (sender, round, exchange, step, part) are
+  `equivocation`: counted, the later one refused and, where publishers are proven, the sender `blocked` for the rest
+  of the run. An honest sender sends each message once (the broker's redeliveries and a restarted worker's repeats
+  are the same bytes).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from dfca.algorithms.base import SERVER
@@ -32,6 +39,12 @@ MAX_ROUNDS_AHEAD = 20
 # Malformed messages from one proven sender in one round after which it is cut off. An honest client sends a few
 # valid messages per round and never a malformed one; a flood sends thousands.
 BLOCK_AFTER_INVALID = 20
+# How far ahead of the run's furthest round (as hosts other than the sender's prove it) a model may be. An honest
+# neighbour waits for this client's models (or a deadline) before it moves on, so it is at most one round ahead of the
+# slowest host it hears: its next round's models may arrive while this client still folds the current one. A
+# neighbour that ran on while this client's worker was down or paused is ahead, but then so are the other hosts,
+# and their models, queued meanwhile, vouch for the rounds it reached.
+NEAR_ROUNDS = 1
 
 
 class Screening(Enum):
@@ -62,13 +75,16 @@ class Admission:
     broker user it connects as (a principal's: publishers are proven)."""
 
     def __init__(self, workers: int, own_user: str, hosted: Iterable[int] = (),
-                 max_rounds_ahead: int = MAX_ROUNDS_AHEAD, block_after: int = BLOCK_AFTER_INVALID) -> None:
+                 max_rounds_ahead: int = MAX_ROUNDS_AHEAD, block_after: int = BLOCK_AFTER_INVALID,
+                 near_rounds: int = NEAR_ROUNDS) -> None:
         self.workers = workers
         self.publishers = principals.PublisherCheck(own_user)
         self.hosted = set(hosted)
-        self.max_rounds_ahead, self.block_after = max_rounds_ahead, block_after
+        self.max_rounds_ahead, self.block_after, self.near_rounds = max_rounds_ahead, block_after, near_rounds
         self.invalid: Counter[int] = Counter()  # sender -> malformed or repeated messages under its key this round
         self.blocked: set[int] = set()  # senders cut off for the rest of the run
+        self.reached: dict[str, int] = {}  # host -> the furthest round of a model let in from it
+        self.bodies = BodyLedger()
 
     def host_of(self, sender: int) -> str:
         """The principal hosting `sender`."""
@@ -96,12 +112,36 @@ class Admission:
         host = self.host_of(key.sender)
         return key.host == host and self.publishers.allows(publisher, host)
 
-    def admit_round(self, claimed_round: int, current_round: int) -> Refusal | None:
-        """A decoded message of `claimed_round` at `current_round`: refused (`future_round`) if too far ahead."""
-        if claimed_round <= current_round + self.max_rounds_ahead:
+    def admit_round(self, sender: int, claimed_round: int, current_round: int) -> Refusal | None:
+        """A decoded message of `sender` for `claimed_round` at `current_round`: refused (`future_round`) unless its
+        round is near (NEAR_ROUNDS) and within MAX_ROUNDS_AHEAD of this receiver's."""
+        if claimed_round > current_round + self.max_rounds_ahead:
+            return Refusal("future_round", f"round {claimed_round} at round {current_round}: more than "
+                                           f"{self.max_rounds_ahead} rounds ahead")
+        host = self.host_of(sender)
+        reached = max([current_round, *(r for h, r in self.reached.items() if h != host)])
+        if claimed_round > reached + self.near_rounds:
+            return Refusal("future_round", f"round {claimed_round} from {host} before the run is near it (round "
+                                           f"{reached} at most, as other hosts than {host} show)")
+        self.reached[host] = max(claimed_round, self.reached.get(host, claimed_round))
+        return None
+
+    def equivocation(self, identity: MessageIdentity, sha256: str) -> Refusal | None:
+        """A body (`sha256`) for `identity` that differs from the one already let in is refused (`equivocation`); the
+        driver then cuts the sender off where publishers are `proven`."""
+        if self.bodies.same_or_first(identity, sha256):
             return None
-        return Refusal("future_round", f"round {claimed_round} at round {current_round}: more than "
-                                       f"{self.max_rounds_ahead} rounds ahead")
+        return Refusal("equivocation", f"client {identity[0]} sent two different bodies for round {identity[1]} "
+                                       f"{identity[2]} step {identity[3]} part {identity[4]}")
+
+    def end_round(self, current_round: int) -> None:
+        """Bodies of rounds before `current_round` - 1 are forgotten (their messages are stale anyway)."""
+        self.bodies.forget_before(current_round - 1)
+
+    @property
+    def proven(self) -> bool:
+        """Publishers are proven: a sender's key can be trusted to be its own, so it may be cut off."""
+        return self.publishers.strict
 
     def count_invalid(self, routing_key: str, redelivered: bool) -> int | None:
         """A malformed message, or a repeat the broker did not redeliver, counts against the sender its key names
@@ -117,3 +157,20 @@ class Admission:
             return None
         self.blocked.add(key.sender)
         return key.sender
+
+
+MessageIdentity = tuple[int, int, str, int, int]  # sender, round, exchange, step, part
+
+
+@dataclass
+class BodyLedger:
+    """The sha256 of the first body let in for each message identity."""
+
+    first: dict[MessageIdentity, str] = field(default_factory=dict)
+
+    def same_or_first(self, identity: MessageIdentity, sha256: str) -> bool:
+        """True for the first body of `identity` (recorded) or a copy of it; False for a different one."""
+        return self.first.setdefault(identity, sha256) == sha256
+
+    def forget_before(self, round_: int) -> None:
+        self.first = {i: d for i, d in self.first.items() if i[1] >= round_}

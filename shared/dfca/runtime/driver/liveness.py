@@ -3,8 +3,11 @@
 A client ends its round when every *live* neighbour's model arrived or the round timeout passed.
 A neighbour whose model missed the timeout in `dead_after` consecutive rounds is presumed dead:
 clients stop waiting for it (its late models are still applied or dropped by the staleness
-policy). It is live again as soon as one of its models for the current round or later arrives,
-which is what a restarted worker's clients send once they have caught up.
+policy). It is live again as soon as it shows progress: a model of a later round than the latest it had sent
+when it was presumed dead (a paused, restarted or cut-off worker catching up), or of the current round or later.
+Waiting for it again costs at most `dead_after` round timeouts, in which it catches up: without that, a worker
+paused for longer than a few rounds would stay behind, and its clients unheard, for the rest of the run (its rounds
+take as long as everyone else's, so it never overtakes them on its own).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ class NeighbourLiveness:
         self.dead_after = dead_after
         self.misses: dict[int, int] = {}
         self.sightings: dict[int, int] = {}  # sender -> the latest round a message of it came from
+        self.dead_at: dict[int, int] = {}  # sender presumed dead -> its latest round then (-1: none seen)
 
     def sighted(self, sender: int, t: int) -> None:
         """A message of round t came from `sender`."""
@@ -29,12 +33,17 @@ class NeighbourLiveness:
         missed = set(missing)
         for sender in set(expected) | missed:
             self.misses[sender] = self.misses.get(sender, 0) + 1 if sender in missed else 0
+            if self.misses[sender] == self.dead_after:
+                self.dead_at[sender] = self.sightings.get(sender, -1)
 
     def revive(self, sightings: Mapping[int, int], current_round: int) -> list[int]:
-        """Senders seen with a model of `current_round` or later are live again; returns them."""
-        revived = [s for s, r in sightings.items() if r >= current_round and self.misses.get(s, 0) >= self.dead_after]
+        """Senders presumed dead that were seen since with a later round than then, or with `current_round` or later,
+        are live again; returns them."""
+        revived = [s for s, r in sightings.items() if self.misses.get(s, 0) >= self.dead_after
+                   and (r >= current_round or r > self.dead_at.get(s, -1))]
         for sender in revived:
             self.misses[sender] = 0
+            self.dead_at.pop(sender, None)
         return revived
 
     @property

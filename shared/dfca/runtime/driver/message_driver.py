@@ -31,7 +31,7 @@ from dfca.runtime.driver.ledger import Ledger, Placement
 from dfca.runtime.driver.liveness import NeighbourLiveness
 from dfca.runtime.driver.outbox import encode_outbox
 from dfca.transport import Message, Transport
-from dfca.wire.codec import PAYLOAD_DTYPES, PayloadRejected
+from dfca.wire.codec import PAYLOAD_DTYPES, PayloadRejected, sha256
 
 log = logging.getLogger(__name__)
 KEEP_GOING_EVERY_S = 0.25  # how often a waiting driver asks whether to go on
@@ -134,7 +134,10 @@ class MessageDriver:
                 self.publish(ex)  # before anything arrived is folded in: what the row sends is its own
         with self.stats.timed("receive"):
             for delivery in held:
-                self._route(delivery)
+                if delivery.envelope.sender in self.blocked:  # held before its sender was cut off
+                    self._settle(delivery)
+                else:
+                    self._route(delivery)
             if self.ready.due(more_expected=self.ledger.due()):
                 self._fold()
 
@@ -206,6 +209,7 @@ class MessageDriver:
         self.liveness.observe_round(expected - self.dead, self.ledger.missed - {SERVER})
         self.rounds_done = self.round + 1
         self.ledger.end_round()
+        self.admission.end_round(self.round)
 
     # -- messages -------------------------------------------------------------------------------------------
     def _arrived(self) -> list[Message]:
@@ -262,14 +266,20 @@ class MessageDriver:
             self._count_invalid(message)
             return
         envelope = decoded.envelope
-        self.liveness.sighted(envelope.sender, envelope.round)
         rows = self.hearing.rows(envelope.sender, decoded.exchange)
         if not rows:
             self.stats.not_neighbour += 1
             self.transport.ack(message)
-        elif (refusal := self.admission.admit_round(envelope.round, self.round)) is not None:
+        elif (refusal := self.admission.admit_round(envelope.sender, envelope.round, self.round)) is not None:
             self._reject(message, refusal.reason, refusal.detail)
+        elif (refusal := self.admission.equivocation(
+                (envelope.sender, envelope.round, envelope.exchange, envelope.step, envelope.part),
+                message.headers.get("sha256") or sha256(message.body))) is not None:
+            self._reject(message, refusal.reason, refusal.detail)
+            if self.admission.proven and envelope.sender not in self.blocked:
+                self.block(envelope.sender, "sent two different bodies for one message")
         else:
+            self.liveness.sighted(envelope.sender, envelope.round)  # only what was let in shows a sender's progress
             fanout = Unsettled(message, len(rows))
             for row in rows:
                 self._route(Delivery(row, message, decoded, fanout))
@@ -290,15 +300,16 @@ class MessageDriver:
         if (sender := self.admission.count_invalid(message.routing_key, message.redelivered)) is not None:
             self.block(sender)
 
-    def block(self, sender: int) -> None:
+    def block(self, sender: int, why: str = "") -> None:
         """Cut `sender` off: unbind its keys from the driver's queue and stop waiting for it."""
         self.blocked.add(sender)
         self.stats.blocked += 1
         self.bindings.hear(sender, False)
         self.hearing.index()
         self.ledger.forget(sender)
-        log.warning("round %d: client %d (host %s) sent %d malformed or repeated messages: cut off for the rest of the "
-                    "run", self.round, sender, self.admission.host_of(sender), self.admission.invalid[sender])
+        why = why or f"sent {self.admission.invalid[sender]} malformed or repeated messages"
+        log.warning("round %d: client %d (host %s) %s: cut off for the rest of the run", self.round, sender,
+                    self.admission.host_of(sender), why)
 
     def _route(self, delivery: Delivery) -> None:
         """Place a delivery in the ledger, and fold, hold, settle or count it as placed."""

@@ -26,7 +26,7 @@ from dfca.config import ExperimentConfig
 from dfca.core.soft_assignment import mixture_error
 from dfca.data import FederatedData, build_federated_data
 from dfca.graph import build_graph, neighbours
-from dfca.results.evaluation import assignment_counts, cluster_accuracy, cluster_ari, populated_clusters
+from dfca.results.evaluation import assignment_counts, clustering_scores, populated_clusters
 from dfca.runtime.metrics.metrics_store import MetricsStore, StoredExperiment, StoredReport
 from dfca.simulator import build_summary, last_rounds_means
 
@@ -105,8 +105,7 @@ def clustering_metrics(ev: dict[str, list[Any]], k: int) -> dict[str, Any]:
         "train_loss": float(torch.tensor(ev["train_loss"]).mean()),
         "assignment_counts": assignment_counts(assigned, k),
         "populated_clusters": populated_clusters(assigned),
-        "ari": cluster_ari(assigned, truth),
-        "cluster_acc": cluster_accuracy(assigned, truth),
+        **clustering_scores(assigned, truth),  # none where the true clusters are unknown
         "cluster_accuracy": per_cluster_accuracy(acc, assigned, k),
     }
 

@@ -1,8 +1,9 @@
 """What every service's HTTP side shares: /livez and /readyz, bearer-token auth, and a uvicorn runner.
 
-Tokens: mutating calls carry the API token (DFCA_API_TOKEN). Reads are open unless DFCA_READ_TOKEN is set;
-then every read but OPEN_PATHS carries the read token or the API token, as `Authorization: Bearer <token>`
-or, for a browser's EventSource (which cannot set headers), `?access_token=<token>`.
+Tokens: mutating calls carry the API token (DFCA_API_TOKEN). Reads need a token whenever any token is set: every
+read but OPEN_PATHS carries the read token (DFCA_READ_TOKEN) or the API token, as `Authorization: Bearer <token>`
+or, for a browser's EventSource (which cannot set headers), `?access_token=<token>`. Only a service with neither token
+serves reads to anyone.
 
 `/livez` answers 200 while the process serves HTTP. `/readyz` answers 200 only when the broker
 accepts a connection (a fresh, short AMQP handshake) and the service's own check passes, else 503.
@@ -90,8 +91,8 @@ OPEN_PREFIXES = ("/ui/static/",)
 
 def read_allowed(read_token: str | None, api_token: str | None, path: str, authorization: str | None,
                  query: str) -> bool:
-    """A read goes through: no read token configured, an open path, or the read or the API token given."""
-    if not read_token or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
+    """A read goes through: no token configured at all, an open path, or the read or the API token given."""
+    if not (read_token or api_token) or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
         return True
     given = [authorization] + [f"Bearer {unquote_plus(v)}" for k, _, v in (p.partition("=") for p in query.split("&"))
                                if k == "access_token"]
@@ -121,8 +122,9 @@ class RequestGuard:
         if scope["method"] not in MUTATING and not read_allowed(
                 self.read_token, self.token, scope["path"], headers.get("authorization"),
                 scope.get("query_string", b"").decode("latin-1")):
-            await JSONResponse({"detail": "missing or wrong bearer token: reads need DFCA_READ_TOKEN or the API "
-                                "token"}, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            await JSONResponse({"detail": "missing or wrong bearer token: reads need the read token "
+                                "(DFCA_READ_TOKEN) or the API token"}, 401,
+                               headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body:

@@ -470,6 +470,13 @@ async function route() {
   }
 }
 
+// `dfca up` prints the dashboard's address as /ui#token=<API token>: the fragment never reaches a server; it is kept
+// for this tab and taken out of the address bar.
+const given = location.hash.match(/^#token=([^&]+)$/);
+if (given) {
+  sessionStorage.setItem("dfca-token", decodeURIComponent(given[1]));
+  history.replaceState(null, "", location.pathname + location.search);
+}
 const tokenInput = document.getElementById("token");
 tokenInput.value = token();
 tokenInput.addEventListener("change", () => sessionStorage.setItem("dfca-token", tokenInput.value.trim()));
