@@ -41,12 +41,12 @@ def write_folder_federation(data: FederatedData, out: Path, progress: Callable[[
     check_out_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     names = client_ids(data.num_clients)
-    train_sizes, test_sizes = data.train_sizes.tolist(), data.test_sizes.tolist()
     for i, name in enumerate(names):
         folder = out / name
         folder.mkdir()
-        save_part(folder / "train.npz", data.x_train[i, : train_sizes[i]], data.y_train[i, : train_sizes[i]])
-        save_part(folder / "test.npz", data.x_test[i, : test_sizes[i]], data.y_test[i, : test_sizes[i]])
+        (x, y), (x_test, y_test) = data.client_shards(i)  # its own samples, wherever they are padded
+        save_part(folder / "train.npz", x, y)
+        save_part(folder / "test.npz", x_test, y_test)
         if progress is not None:
             progress(i + 1)
     if data.has_true_clusters:
