@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from dfca.config import ExperimentConfig
 from dfca.identity import principals
+from dfca.runtime.protocol.holdings import DataHoldings, Placement
 
 ExperimentStatus = Literal["created", "running", "stopping", "stopped", "completed", "failed"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"stopped", "completed", "failed"})
@@ -46,6 +47,7 @@ class StartCommand(Document):
     workers: int = Field(ge=1)
     neighbours: dict[int, list[int]]
     topology_version: int = 0
+    placement: Placement | None = Field(None, description="`data.source: workers`: which worker holds which client")
 
 
 class GoCommand(Document):
@@ -164,6 +166,7 @@ class PresenceEvent(BaseModel):
     deployment: str
     worker: int
     workers: int = Field(ge=1)
+    holdings: DataHoldings | None = Field(None, description="a worker started on a data folder: its clients' facts")
     at: float = Field(default_factory=time.time)
 
 
