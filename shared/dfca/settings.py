@@ -23,6 +23,8 @@ ENV_VARS: dict[str, str] = {
     "DFCA_WORKERS": "how many workers share the clients",
     "DFCA_CHECKPOINT_DIR": "folder where a worker checkpoints its clients after each round",
     "DFCA_DATA_ROOT": "folder with local dataset files (MNIST/EMNIST IDX, CIFAR-10 binary, FEMNIST JSON)",
+    "DFCA_DATA_DIR": "a worker's own data folder (DIR/<client-id>/train.npz ...): it hosts exactly those clients in "
+                     "experiments with data.source: workers; in containers /var/lib/dfca/data",
     "DFCA_DEVICE": "cpu, cuda or auto: where a worker (or the aggregator) computes; unset: the config's `device`",
     "DFCA_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR",
     "DFCA_TLS_CERT": "PEM certificate (chain) a service's HTTP server presents: it answers HTTPS only",
@@ -62,6 +64,7 @@ class ServiceSettings:
     workers: int
     checkpoint_dir: str
     data_root: str | None
+    data_dir: str | None
     device: str | None
     log_level: str
 
@@ -80,6 +83,7 @@ class ServiceSettings:
             workers=int(env("DFCA_WORKERS", "1") or 1),
             checkpoint_dir=env("DFCA_CHECKPOINT_DIR", "checkpoints") or "checkpoints",
             data_root=env("DFCA_DATA_ROOT"),
+            data_dir=env("DFCA_DATA_DIR") or None,
             device=env("DFCA_DEVICE") or None,
             log_level=env("DFCA_LOG_LEVEL", "INFO") or "INFO",
         )

@@ -201,8 +201,15 @@ def _service(name: str) -> None:
 
 
 @app.command()
-def worker() -> None:
+def worker(
+    data: Path = typer.Option(None, "--data", help="this worker's own data folder (default DFCA_DATA_DIR): it hosts "
+                              "exactly its clients in experiments with data.source: workers"),
+) -> None:
     """Run a client worker (hosts 1..M clients; reads DFCA_* env vars)."""
+    import os
+
+    if data is not None:
+        os.environ["DFCA_DATA_DIR"] = str(data.resolve())
     _service("worker")
 
 
@@ -241,6 +248,8 @@ def up(
     broker_users: Path = typer.Option(None, "--broker-users", help="each process connects as its own broker user: "
                                       "the URLs `python -m dfca.identity.broker_users create` wrote (default "
                                       "DFCA_BROKER_USERS; none: every process uses --broker)"),
+    data: list[Path] = typer.Option([], "--data", help="worker i's own data folder, once per worker in order "
+                                    "(DFCA_DATA_DIR): for experiments with data.source: workers"),
 ) -> None:
     """Run the whole stack locally (topology, metrics, N workers) as OS processes; Ctrl-C or `dfca down` stops it.
 
@@ -260,8 +269,11 @@ def up(
         state_dir=state_dir,
         metrics_db_url=os.environ.get("DFCA_METRICS_DB_URL"), data_root=os.environ.get("DFCA_DATA_ROOT"),
         log_level=os.environ.get("DFCA_LOG_LEVEL", "INFO"), log_to_files=log_to_files,
-        model_factories=os.environ.get("DFCA_MODEL_FACTORIES", ""),
+        model_factories=os.environ.get("DFCA_MODEL_FACTORIES", ""), data_dirs=[str(d.resolve()) for d in data],
     )
+    if data and len(data) != workers:
+        typer.echo(f"dfca up: --data names {len(data)} folders for {workers} workers: give each worker one", err=True)
+        raise typer.Exit(2)
     users_file = broker_users or (Path(os.environ["DFCA_BROKER_USERS"]) if os.environ.get("DFCA_BROKER_USERS")
                                   else None)
     if users_file is not None:

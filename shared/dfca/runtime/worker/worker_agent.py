@@ -21,6 +21,7 @@ from dfca.identity import topics
 from dfca.identity.broker_setup import bind_to_deployment, ensure_broker_topology
 from dfca.identity.topics import worker_control_queue
 from dfca.runtime.control.experiments import HEARTBEAT_S
+from dfca.runtime.protocol.holdings import Placement
 from dfca.runtime.protocol.messages import (
     TERMINAL_STATUSES,
     FinalModelsShare,
@@ -36,8 +37,9 @@ from dfca.runtime.protocol.messages import (
     encode,
 )
 from dfca.runtime.service.event_consumer import QueueConsumer
-from dfca.runtime.service.registration import known_to_topology
+from dfca.runtime.service.registration import data_refusal, known_to_topology
 from dfca.runtime.worker.client_runner import ClientRunner, RunSpec
+from dfca.runtime.worker.data_silo import DataSilo
 from dfca.settings import service_auth
 from dfca.transport import Transport
 
@@ -64,10 +66,15 @@ class WorkerAgent:
         topology_url: str | None,
         data_root: str | None = None,
         device: str | None = None,
+        silo: DataSilo | None = None,
     ) -> None:
+        """`silo`: the worker's own data folder (`--data`, DFCA_DATA_DIR), read; registered with every presence
+        announcement and hosted by the experiments over the workers' data."""
         self.deployment, self.ordinal, self.workers, self.connect = deployment, ordinal, workers, connect
         self.checkpoint_dir, self.topology_url, self.data_root = checkpoint_dir, topology_url, data_root
         self.device = device  # DFCA_DEVICE, or None: each experiment's config decides
+        self.silo = silo
+        self.refusal: str | None = None  # why the topology service refused this worker's data, if it did
         self.transport = connect(64)
         self.runners: dict[str, ClientRunner] = {}
         self.lock = threading.RLock()
@@ -111,7 +118,8 @@ class WorkerAgent:
             if self.topology_url and self._status(command.experiment) not in ("running", None):
                 return  # a backlog command of an experiment that is over
             self._launch(RunSpec(self.deployment, command.experiment, command.config, command.workers,
-                                 self.ordinal, command.neighbours, command.topology_version, device=self.device))
+                                 self.ordinal, command.neighbours, command.topology_version, device=self.device,
+                                 placement=command.placement))
             return
         with self.lock:
             runner = self.runners.get(command.experiment)
@@ -129,7 +137,7 @@ class WorkerAgent:
                 return
             runner = ClientRunner(spec, self.connect, self.emit, self.checkpoint_dir,
                                   over=(lambda: self._status(spec.experiment) in (*TERMINAL_STATUSES, "unknown"))
-                                  if self.topology_url else None)
+                                  if self.topology_url else None, silo=self.silo)
             self.runners[spec.experiment] = runner
         log.info("experiment %s: hosting clients %s", spec.experiment, spec.clients,
                  extra={"experiment": spec.experiment, "worker": self.ordinal})
@@ -156,7 +164,8 @@ class WorkerAgent:
             with self.lock:
                 runners = [r for r in self.runners.values() if not r.finished]
             try:
-                presence = PresenceEvent(deployment=self.deployment, worker=self.ordinal, workers=self.workers)
+                presence = PresenceEvent(deployment=self.deployment, worker=self.ordinal, workers=self.workers,
+                                         holdings=None if self.silo is None else self.silo.holdings())
                 self.transport.publish(topics.METRICS_EXCHANGE, topics.presence_key(self.deployment),
                                        encode(presence))
                 for runner in runners:  # not emit: awaiting a runner's round report is the runner's business
@@ -197,7 +206,15 @@ class WorkerAgent:
         return str(response.json().get("status")) if response.is_success else None
 
     def ready(self) -> bool:
-        """Rejoined the running experiments, and known to the topology service (dfca.runtime.service.registration)."""
+        """Rejoined the running experiments, and known to the topology service (dfca.runtime.service.registration),
+        which has not refused its data."""
+        if self.silo is not None:
+            refusal = data_refusal(self._http, self.topology_url, self.ordinal)
+            if refusal != self.refusal and refusal is not None:
+                log.error("the topology service refused this worker's data: %s", refusal)
+            self.refusal = refusal
+            if refusal is not None:
+                return False
         return (self.recovered.is_set() and not self.stopping.is_set()
                 and known_to_topology(self._http, self.topology_url, "worker", self.ordinal))
 
@@ -230,4 +247,5 @@ def spec_from_rest(deployment: str, ordinal: int, detail: dict[str, Any], topo: 
         workers=int(topo["workers"]), ordinal=ordinal,
         neighbours={int(c): [int(m) for m in ms] for c, ms in topo["neighbours"].items()},
         topology_version=int(topo["version"]), go=bool(detail["go"]), device=device,
+        placement=Placement.model_validate(topo["placement"]) if topo.get("placement") else None,
     )
