@@ -26,7 +26,7 @@ from dfca.config import ConfigError, parse_config
 from dfca.core.label_matching import label_matching
 from dfca.results.evaluation import cluster_ari
 from dfca.runtime.metrics.metrics_store import MetricsStore
-from dfca.runtime.metrics.run_summary import final_evaluation, history, summary_of
+from dfca.runtime.metrics.run_summary import final_evaluation, history, summary_of, truth_known
 
 STATIC = files("dfca.runtime.metrics") / "dashboard_static"
 MEDIA = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".txt": "text/plain",
@@ -77,9 +77,10 @@ def add_dashboard(app: FastAPI, store: MetricsStore, topology_url: str | None) -
         for experiment in store.experiment_ids():
             ev = final_evaluation(store.reports(experiment), set())
             if ev.get("clients"):
+                truth = torch.tensor(ev["true_cluster"])
                 out[experiment] = {"test_accuracy": sum(ev["test_accuracy"]) / len(ev["test_accuracy"]),
-                                   "cluster_ari": cluster_ari(torch.tensor(ev["assigned"]),
-                                                              torch.tensor(ev["true_cluster"]))}
+                                   "cluster_ari": cluster_ari(torch.tensor(ev["assigned"]), truth)
+                                   if truth_known(truth) else None}
         return out
 
     @app.api_route("/ui/api/topology/{path:path}", methods=["GET", "POST"], include_in_schema=False)

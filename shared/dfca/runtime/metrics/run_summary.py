@@ -27,6 +27,7 @@ from dfca.core.soft_assignment import mixture_error
 from dfca.data import FederatedData, build_federated_data
 from dfca.graph import build_graph, neighbours
 from dfca.results.evaluation import assignment_counts, cluster_accuracy, cluster_ari, populated_clusters
+from dfca.runtime.control.placement import data_on_workers
 from dfca.runtime.metrics.metrics_store import MetricsStore, StoredExperiment, StoredReport
 from dfca.simulator import build_summary, last_rounds_means
 
@@ -73,9 +74,22 @@ def evaluated_clients(reports: Iterable[StoredReport], exclude: set[int]) -> dic
     return out
 
 
+class DataOnWorkers(LookupError):
+    """The experiment's data lives on its workers (`data.source: workers`): the metrics service never rebuilds it."""
+
+
 @lru_cache(maxsize=4)
 def _shards(config_json: str) -> FederatedData:
-    return build_federated_data(ExperimentConfig.model_validate_json(config_json))
+    cfg = ExperimentConfig.model_validate_json(config_json)
+    if data_on_workers(cfg):
+        raise DataOnWorkers(f"experiment {cfg.name}: its clients' data stays on the workers")
+    return build_federated_data(cfg)
+
+
+def truth_known(truth: torch.Tensor) -> bool:
+    """Whether every client's true cluster is known (a folder federation without clusters.json reports -1): ARI and
+    matched cluster accuracy need all of them."""
+    return truth.numel() > 0 and bool((truth >= 0).all())
 
 
 @lru_cache(maxsize=4)
@@ -91,7 +105,10 @@ def algorithm_metrics(cfg: ExperimentConfig, report: dict[str, list[Any]]) -> di
     if algorithm is None or not report.get("clients"):
         return {}
     key = cfg.model_dump_json()
-    return algorithm.run_metrics(cfg, report, lambda: _shards(key), _graph(key))
+    try:
+        return algorithm.run_metrics(cfg, report, lambda: _shards(key), _graph(key))
+    except DataOnWorkers:  # metrics computed from every client's data (the k-means GCD): not where data stays home
+        return {}
 
 
 def clustering_metrics(ev: dict[str, list[Any]], k: int) -> dict[str, Any]:
@@ -105,8 +122,8 @@ def clustering_metrics(ev: dict[str, list[Any]], k: int) -> dict[str, Any]:
         "train_loss": float(torch.tensor(ev["train_loss"]).mean()),
         "assignment_counts": assignment_counts(assigned, k),
         "populated_clusters": populated_clusters(assigned),
-        "ari": cluster_ari(assigned, truth),
-        "cluster_acc": cluster_accuracy(assigned, truth),
+        "ari": cluster_ari(assigned, truth) if truth_known(truth) else None,
+        "cluster_acc": cluster_accuracy(assigned, truth) if truth_known(truth) else None,
         "cluster_accuracy": per_cluster_accuracy(acc, assigned, k),
     }
 
@@ -206,6 +223,8 @@ def summarize(
     wall = max(end - (experiment.started_at or end), 0.0)
     if accuracy.numel():
         summary = build_summary(cfg, rounds, accuracy, assigned, truth, wall, [])
+        if not truth_known(truth):
+            summary.update(cluster_ari=None, cluster_acc=None)
     else:
         summary = {
             "name": cfg.name,

@@ -108,8 +108,8 @@ class RoundReport(Document):
         for name in ("test_accuracy",):
             if not all(isinstance(v, int | float) and 0.0 <= v <= 1.0 for v in self.evaluation.get(name, [])):
                 raise ValueError(f"evaluation.{name}: values must lie in [0, 1]")
-        for name in ("assigned", "true_cluster"):
-            if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1_000_000
+        for name, least in (("assigned", 0), ("true_cluster", -1)):  # -1: unknown (a folder without clusters.json)
+            if not all(isinstance(v, int) and not isinstance(v, bool) and least <= v <= 1_000_000
                        for v in self.evaluation.get(name, [])):
                 raise ValueError(f"evaluation.{name}: values must be cluster ids")
         return self
