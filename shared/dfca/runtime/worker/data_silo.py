@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from dfca.config import ExperimentConfig
-from dfca.data import FederatedData, FolderDataError, read_folder_federation
+from dfca.data import FederatedData
 from dfca.runtime.protocol.holdings import ClientFacts, DataHoldings, Placement
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,8 @@ class DataSilo:
     def __init__(self, folder: Path, ordinal: int) -> None:
         self.folder = folder.resolve()
         self.ordinal = ordinal
+        from dfca.data import FolderDataError, read_folder_federation
+
         if not self.folder.is_dir():
             raise FolderDataError(f"worker {ordinal}: data folder {self.folder} does not exist")
         self.data = read_folder_federation(self.folder, REGISTRATION_SEED, DEFAULT_TEST_FRACTION)
@@ -69,6 +71,8 @@ class DataSilo:
             gained, lost = sorted(set(self.ids) - set(placed)), sorted(set(placed) - set(self.ids))
             raise SiloMismatch(f"worker {self.ordinal} holds other clients ({self.folder}) than the experiment "
                                f"placed on it: not placed here {gained}, not in this folder {lost}")
+        from dfca.data import read_folder_federation
+
         data = read_folder_federation(self.folder, cfg.seed, held_out_share(cfg))
         names = list(data.client_names) or self.ids
         rows = [names.index(client) for client in placed]
