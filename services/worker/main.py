@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from dfca.identity.topics import deployment_tag
 from dfca.runtime.service.http_service import add_health_routes, serve
 from dfca.runtime.service.structured_logs import configure_logging
-from dfca.runtime.worker.data_silo import read_silo
+from dfca.runtime.worker.data_silo import FolderDataError, read_silo
 from dfca.runtime.worker.worker_agent import WorkerAgent
 from dfca.settings import ServiceSettings
 from dfca.transport import Transport, connect_transport
@@ -49,8 +49,6 @@ def main() -> None:
 
     def connect(prefetch: int) -> Transport:
         return connect_transport(settings.broker_url, prefetch=prefetch, name=f"dfca-worker-{ordinal}")
-
-    from dfca.data import FolderDataError
 
     try:
         silo = read_silo(settings.data_dir, ordinal)

@@ -137,14 +137,15 @@ class Coordinator:
         if cfg.algorithm not in RUNTIME_ALGORITHMS:
             raise ConfigRejected("algorithm", f"algorithm: the runtime runs {sorted(RUNTIME_ALGORITHMS)}, "
                                               f"not {cfg.algorithm!r} (use `dfca run` for it)")
-        try:
-            check_config_model(cfg, allowed_factories())  # the operator's allow-list: REST carries names, not code
-        except ModelFactoryError as err:
-            raise ConfigRejected(err.field, str(err)) from err
         placement = None
-        if data_on_workers(cfg):
+        if data_on_workers(cfg):  # the model is checked against the data the workers registered
             placement = self._placement(cfg)
             cfg = placed_config(cfg, placement)
+        try:
+            if placement is None:
+                check_config_model(cfg, allowed_factories())  # the operator's allow-list: REST carries names, not code
+        except ModelFactoryError as err:
+            raise ConfigRejected(err.field, str(err)) from err
         try:
             graph = build_graph(cfg.topology, cfg.data.clients, cfg.seed)
         except ValueError as err:
@@ -161,16 +162,18 @@ class Coordinator:
         ConfigRejected naming the worker)."""
         with self.lock:
             try:
-                placement = self.data.placement_for(self._recent_presence())
+                placement = self.data.placement_for(self._recent_presence(), cfg.data.classes)
             except PlacementError as err:
                 raise ConfigRejected("data.source", str(err)) from err
         if placement.num_clients < max(2, cfg.clusters):
             raise ConfigRejected("data.source", f"the registered workers hold {placement.num_clients} clients "
                                  f"({placement.client_ids}); the experiment needs at least {max(2, cfg.clusters)}")
+        shape = tuple(placement.input_shape)
         try:
-            model_from_config(cfg.model, tuple(placement.input_shape), placement.num_classes, "cpu",
-                              allowed_factories())
-        except (ValueError, RuntimeError, ModelFactoryError) as err:
+            if cfg.model.kind == "cnn" and len(shape) != 3:
+                raise ValueError("model.kind: cnn needs images (channels, height, width)")
+            model_from_config(cfg.model, shape, placement.num_classes, "cpu", allowed_factories())
+        except (ValueError, RuntimeError, TypeError, IndexError, ModelFactoryError) as err:
             raise ConfigRejected("model", f"the model does not fit the workers' data (samples of shape "
                                  f"{tuple(placement.input_shape)}, {placement.num_classes} classes, from workers "
                                  f"{placement.workers}): {err}") from err

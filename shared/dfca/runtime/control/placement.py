@@ -70,9 +70,10 @@ def fit_refusal(ordinal: int, holdings: DataHoldings, input_shape: list[int], nu
     return None
 
 
-def place(registered: Mapping[int, DataHoldings]) -> Placement:
-    """Every registered client, indexed in the order of their ids, on the worker that holds it. PlacementError when
-    nobody registered data or the workers' sample shapes differ."""
+def place(registered: Mapping[int, DataHoldings], classes: int | None = None) -> Placement:
+    """Every registered client, indexed in the order of their ids, on the worker that holds it, for a model of
+    `classes` classes (`data.classes`; None: the most any worker has). PlacementError when nobody registered data,
+    the workers' sample shapes differ, or a worker has labels beyond `classes`."""
     if not registered:
         raise PlacementError("data.source is workers but no worker holding data has registered: start workers "
                              "with --data DIR (or DFCA_DATA_DIR)")
@@ -82,19 +83,24 @@ def place(registered: Mapping[int, DataHoldings]) -> Placement:
         misfit = fit_refusal(ordinal, registered[ordinal], registered[first].input_shape, 1_000_000)
         if misfit:
             raise PlacementError(f"{misfit} of worker {first} ({registered[first].folder})")
+    if classes is not None:
+        for ordinal in ordinals:
+            misfit = fit_refusal(ordinal, registered[ordinal], registered[ordinal].input_shape, classes)
+            if misfit:
+                raise PlacementError(f"{misfit} (data.classes)")
     facts = sorted(((c, o) for o in ordinals for c in registered[o].clients), key=lambda pair: pair[0].id)
     clusters = [c.cluster for c, _ in facts]
     return Placement(
         client_ids=[c.id for c, _ in facts], hosts=[o for _, o in facts], train_counts=[c.train for c, _ in facts],
         true_clusters=None if any(k is None for k in clusters) else [int(k) for k in clusters if k is not None],
         input_shape=list(registered[first].input_shape),
-        num_classes=max(registered[o].num_classes for o in ordinals),
+        num_classes=classes if classes is not None else max(registered[o].num_classes for o in ordinals),
     )
 
 
 def data_on_workers(cfg: ExperimentBase) -> bool:
     """Whether an experiment runs over the clients its workers hold (`data.source: workers`)."""
-    return getattr(cfg.data, "source", "builtin") == "workers"
+    return cfg.data.source == "workers"
 
 
 def placed_config(cfg: ExperimentConfig, placement: Placement) -> ExperimentConfig:

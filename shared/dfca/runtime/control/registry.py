@@ -55,12 +55,12 @@ class DataRegistry:
         self.refused[ordinal] = reason
         return reason
 
-    def placement_for(self, present: Collection[int]) -> Placement:
+    def placement_for(self, present: Collection[int], classes: int | None = None) -> Placement:
         """The clients of the present workers holding data, placed; PlacementError naming a refused worker first."""
         refused = {o: r for o, r in self.refused.items() if o in present}
         if refused:
             raise PlacementError("; ".join(f"worker {o} is refused: {r}" for o, r in sorted(refused.items())))
-        return place({o: h for o, h in self.holdings.items() if o in present})
+        return place({o: h for o, h in self.holdings.items() if o in present}, classes)
 
     def check_placement_holds(self, experiment: str, placement: Placement, present: Collection[int],
                               workers: int) -> None:

@@ -16,23 +16,17 @@ from pathlib import Path
 import torch
 
 from dfca.config import ExperimentConfig
-from dfca.data import FederatedData
+from dfca.data import FederatedData, FolderDataError, read_folder_federation
 from dfca.runtime.protocol.holdings import ClientFacts, DataHoldings, Placement
 
 log = logging.getLogger(__name__)
 
 REGISTRATION_SEED = 0  # the split a worker registers its counts with (test.npz missing: a seeded share held out)
-DEFAULT_TEST_FRACTION = 0.2
+REGISTRATION_TEST_FRACTION = 0.2  # data.test_fraction's default
 
 
 class SiloMismatch(ValueError):
     """An experiment places other clients on this worker than its folder holds."""
-
-
-def held_out_share(cfg: ExperimentConfig | None) -> float:
-    """The share of a client's samples held out for testing where its folder has no test.npz."""
-    value = getattr(cfg.data, "test_fraction", None) if cfg is not None else None
-    return DEFAULT_TEST_FRACTION if value is None else float(value)
 
 
 class DataSilo:
@@ -41,11 +35,9 @@ class DataSilo:
     def __init__(self, folder: Path, ordinal: int) -> None:
         self.folder = folder.resolve()
         self.ordinal = ordinal
-        from dfca.data import FolderDataError, read_folder_federation
-
         if not self.folder.is_dir():
             raise FolderDataError(f"worker {ordinal}: data folder {self.folder} does not exist")
-        self.data = read_folder_federation(self.folder, REGISTRATION_SEED, DEFAULT_TEST_FRACTION)
+        self.data = read_folder_federation(self.folder, REGISTRATION_SEED, REGISTRATION_TEST_FRACTION)
         self.ids = list(self.data.client_names) or [str(i) for i in range(self.data.num_clients)]
         self._holdings = holdings_of(self.data, self.ids, str(self.folder))
         log.info("%s", self.describe(), extra={"worker": ordinal})
@@ -71,14 +63,10 @@ class DataSilo:
             gained, lost = sorted(set(self.ids) - set(placed)), sorted(set(placed) - set(self.ids))
             raise SiloMismatch(f"worker {self.ordinal} holds other clients ({self.folder}) than the experiment "
                                f"placed on it: not placed here {gained}, not in this folder {lost}")
-        from dfca.data import read_folder_federation
-
-        data = read_folder_federation(self.folder, cfg.seed, held_out_share(cfg))
-        names = list(data.client_names) or self.ids
-        rows = [names.index(client) for client in placed]
-        log.info("experiment data: worker %d hosts clients %s as %s", self.ordinal, placed,
-                 placement.clients_of(self.ordinal))
-        return data.subset(rows)
+        data = read_folder_federation(self.folder, cfg.seed, cfg.data.test_fraction, clients=placed,
+                                      classes=placement.num_classes)
+        log.info("worker %d hosts clients %s as %s", self.ordinal, placed, placement.clients_of(self.ordinal))
+        return data
 
 
 def holdings_of(data: FederatedData, ids: list[str], folder: str) -> DataHoldings:
