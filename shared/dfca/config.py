@@ -77,5 +77,23 @@ def parse_config(data: dict[str, Any]) -> ExperimentConfig:
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
-    """Read, override (`--set`) and validate a config file."""
-    return parse_config(apply_overrides(read_config_file(path), overrides))
+    """Read, override (`--set`) and validate a config file (a folder federation's client count from its folder)."""
+    return parse_config(with_folder_clients(apply_overrides(read_config_file(path), overrides)))
+
+
+def with_folder_clients(data: dict[str, Any]) -> dict[str, Any]:
+    """`data.clients` of a `data.source: folder` config is the folder's client count: filled in where it is left
+    out, refused where it differs."""
+    section = data.get("data")
+    if not isinstance(section, dict) or section.get("source") != "folder" or not isinstance(section.get("path"), str):
+        return data
+    from dfca.data.folder_federation import FolderDataError, list_client_ids
+
+    try:
+        count = len(list_client_ids(section["path"]))
+    except FolderDataError as err:
+        raise ConfigError(f"data.path: {err}") from err
+    if section.setdefault("clients", count) != count:
+        raise ConfigError(f"data.clients: {section['clients']}, but {section['path']} holds {count} clients (leave "
+                          "data.clients out to use them all)")
+    return data

@@ -50,7 +50,18 @@ MAX_EDGES = 500_000  # expected edges of the communication graph (built in memor
 MAX_RUN_BYTES = 256 << 30  # a run's estimated tensors (estimated_run_bytes) beyond this are refused
 
 
+BUILTIN_ONLY = ("dataset", "root", "rotations", "train_per_client", "test_per_client", "permute_per_cluster", "mixture",
+                "geometry", "features", "feature_dim", "partition", "categories_per_client", "samples_per_category",
+                "overlap", "groups")
+
+
 class DataConfig(Strict):
+    source: Literal["builtin", "folder", "workers"] = Field(
+        "builtin", description="builtin: data.dataset split by a seeded rule; folder: the federation in data.path "
+        "(docs/your_data.md); workers: the clients the registered workers hold, each from its own folder")
+    path: str | None = Field(None, description="source folder: the federation's folder, or its .csv/.parquet table")
+    classes: int | None = Field(None, ge=2, le=100_000, description="source folder, workers: the number of classes "
+                                "C; labels lie in 0..C-1 (unset: the largest label + 1)")
     dataset: Literal["mnist-bundled", "mnist", "emnist", "femnist", "cifar10", "digits", "blobs"] = Field(
         "mnist-bundled", description="blobs: the k-means papers' Gaussian blobs in R^feature_dim (data.features)"
     )
@@ -63,7 +74,9 @@ class DataConfig(Strict):
         False, description="each cluster draws its own permutation of the training images (IFCA/paper style)"
     )
     mixture: bool = Field(False, description="FedSPD B.1.1: each client mixes two distributions, 10%-90%")
-    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of the images held out for testing")
+    test_fraction: float = Field(
+        0.2, gt=0.0, lt=1.0, description="share of the images held out for testing (mnist-bundled, digits); source "
+        "folder: share of a client's train samples held out where it has no test set of its own")
     geometry: Literal["isotropic", "heterogeneous", "anisotropic"] = Field(
         "isotropic", description="blobs: std 1; stds 1.0, 2.5, 0.5; or isotropic mapped by A (dfca.data.features)"
     )
@@ -90,6 +103,26 @@ class DataConfig(Strict):
     groups: int | None = Field(
         None, ge=1, le=1000, description="dirichlet, class_split: the true number of groups (None: clusters)"
     )
+
+    @model_validator(mode="after")
+    def _source(self) -> DataConfig:
+        if self.source == "builtin":
+            if self.path is not None or self.classes is not None:
+                field = "data.path" if self.path is not None else "data.classes"
+                raise ValueError(f"{field}: goes with data.source folder or workers (data.source is builtin)")
+            return self
+        if self.source == "folder" and not self.path:
+            raise ValueError("data.path: data.source folder reads the federation from a folder (or a .csv/.parquet "
+                             "table); name it")
+        if self.source == "workers" and self.path is not None:
+            raise ValueError("data.path: with data.source workers each worker reads its own folder (dfca worker "
+                             "--data DIR); the experiment names none")
+        defaults = DataConfig()
+        for name in BUILTIN_ONLY:
+            if getattr(self, name) != getattr(defaults, name):
+                raise ValueError(f"data.{name}: goes with data.source builtin; the clients of data.source "
+                                 f"{self.source} hold their own data")
+        return self
 
 
 MAX_OPTIONS_BYTES = 16_384  # a factory's options travel in every config; a few numbers and names
@@ -288,7 +321,7 @@ class ExperimentBase(Strict):
     def _check_feature_vectors(self) -> None:
         kmeans, data = self.algorithm_class.feature_vectors, self.data
         vectors = data.dataset == "blobs" or data.features == "projection"
-        if kmeans and not vectors:
+        if kmeans and not vectors and data.source == "builtin":
             raise ValueError(f"algorithm: {self.algorithm} clusters feature vectors; data.dataset {data.dataset!r} "
                              "holds images: use data.dataset: blobs, or data.features: projection")
         if data.dataset == "blobs" and not kmeans:

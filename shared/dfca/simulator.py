@@ -38,8 +38,7 @@ from dfca.models.build import model_from_config
 from dfca.results.collapse import CollapseWatch
 from dfca.results.evaluation import (
     assignment_counts,
-    cluster_accuracy,
-    cluster_ari,
+    clustering_scores,
     disagreement,
     index_consistency,
     populated_clusters,
@@ -234,8 +233,7 @@ def round_record(sim: Simulation, t: int, sample: torch.Generator) -> dict[str, 
         "train_loss": float(ev.train_loss.mean()),
         "assignment_counts": assignment_counts(assigned, k),
         "populated_clusters": populated_clusters(assigned),
-        "ari": cluster_ari(assigned, truth.cpu()),
-        "cluster_acc": cluster_accuracy(assigned, truth.cpu()),
+        **clustering_scores(assigned, truth.cpu()),  # none where the true clusters are unknown
         "bytes_sent_per_client": sim.round_bytes,
         "bytes_sent_total": sim.total_bytes,  # per client, every round so far (seeding included)
     }
@@ -332,8 +330,7 @@ def build_summary(
         "seed": cfg.seed,
         "test_accuracy": float(accuracy.mean()),
         "test_accuracy_std": float(accuracy.std()) if accuracy.numel() > 1 else 0.0,
-        "cluster_ari": cluster_ari(assigned, truth),
-        "cluster_acc": cluster_accuracy(assigned, truth),
+        **clustering_scores(assigned, truth, ari="cluster_ari"),  # none where the true clusters are unknown
         "populated_clusters": populated_clusters(assigned),
         "assignment_counts": assignment_counts(assigned, cfg.clusters),
         # payload bytes a client sent, all receivers together (a message to d neighbours counts d times), averaged

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from dfca.config import ExperimentConfig
+    from dfca.data import FederatedData
     from dfca.schedule import RoundSchedule
 
 app = typer.Typer(add_completion=False, help="Decentralized clustered federated learning (DFCA and baselines).")
@@ -63,13 +64,14 @@ def _load(config: Path | None, overrides: list[str] | None = None) -> Experiment
         raise typer.Exit(2) from err
 
 
-def _check_model(cfg: ExperimentConfig) -> None:
+def _check_model(cfg: ExperimentConfig, data: FederatedData | None = None) -> None:
     """A `kind: torch` model must come out of its factory fitting the data (dfca.models.factory), before any data
-    is read; this is the user's own process, so the factory may be any module or file."""
+    is read (`data`: a folder federation's, read already); this is the user's own process, so the factory may be
+    any module or file."""
     from dfca.models.factory import ModelFactoryError, check_config_model
 
     try:
-        check_config_model(cfg)
+        check_config_model(cfg, read=None if data is None else (data.input_shape, data.num_classes))
     except ModelFactoryError as err:
         console.print(f"[bold red]invalid config:[/] {err}")
         raise typer.Exit(2) from err
@@ -106,7 +108,7 @@ def results_table(summary: dict[str, Any]) -> Table:
     if summary.get("seeding_rounds") and "rounds" in keys:  # training rounds, then the seeding rounds before them
         at = keys.index("rounds") + 1
         keys = (*keys[:at], "seeding_rounds", *keys[at:])
-    for key in keys:
+    for key in (k for k in keys if k in summary):  # ARI only where the true clusters are known
         value = summary[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     return table
@@ -126,6 +128,7 @@ def run(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from dfca.algorithms import schedule_of
+    from dfca.cli.data_commands import folder_data
     from dfca.results.outputs import MetricsLog, plot_history, save_models, write_summary
     from dfca.results.run_folder import OutFolderRefused, prepare_out, written_files
     from dfca.simulator import simulate
@@ -133,7 +136,8 @@ def run(
     overrides = list(sets or []) + [f"{k}={v}" for k, v in (("rounds", rounds), ("seed", seed)) if v is not None]
     cfg = _load(config, overrides)
     _check_device(cfg)
-    _check_model(cfg)
+    data = folder_data(cfg)
+    _check_model(cfg, data)
     try:
         out = prepare_out(out, force)
     except OutFolderRefused as err:
@@ -158,7 +162,7 @@ def run(
                             status=round_status(record))
 
         try:
-            result = simulate(cfg, on_round=on_round)
+            result = simulate(cfg, data=data, on_round=on_round)
         except (ValueError, FileNotFoundError) as err:
             console.print(f"[bold red]error:[/] {err}")
             raise typer.Exit(1) from err
@@ -181,13 +185,17 @@ def run(
 def validate(config: Path = typer.Argument(..., help="experiment YAML"),
              sets: list[str] = typer.Option(None, "--set", help=SET_HELP)) -> None:
     """Check a config file (with any --set overrides) against the schema, that its `device` is here, and that a
-    `model.kind: torch` factory makes a module that fits the data."""
+    `model.kind: torch` factory makes a module that fits the data; a folder federation's files are read and checked."""
+    from dfca.cli.data_commands import folder_data
     from dfca.devices import resolve_device
 
     cfg = _load(config, sets)
     _check_device(cfg)
-    _check_model(cfg)
-    console.print(f"[green]ok[/]: {cfg.name} ({cfg.algorithm}, device {resolve_device(cfg.device)})")
+    data = folder_data(cfg)
+    _check_model(cfg, data)
+    read = f", {data.num_clients} clients read from {cfg.data.path}" if data is not None else ""
+    console.print(f"[green]ok[/]: {cfg.name} ({cfg.algorithm}, device {resolve_device(cfg.device)}{read})",
+                  highlight=False)
 
 
 def _service(name: str) -> None:
@@ -328,7 +336,8 @@ def round_status(record: dict[str, Any]) -> str:
                 f"|I| {record['isolated_clusters']:.0f}")
     if "inferred_clusters" in record:
         return f"K {record['inferred_clusters']:.0f} acc {record['test_accuracy']:.3f} F1 {record['macro_f1']:.3f}"
-    return f"acc {record['test_accuracy']:.3f} ARI {record['ari']:.2f}"
+    ari = f" ARI {record['ari']:.2f}" if "ari" in record else ""  # none where the true clusters are unknown
+    return f"acc {record['test_accuracy']:.3f}{ari}"
 
 
 def phase_bars(progress: Progress, schedule: RoundSchedule) -> dict[str, TaskID]:
@@ -352,9 +361,11 @@ def seeding_note(cfg: ExperimentConfig) -> str:
     return f" after {seeding} rounds of farthest-first seeding (dfca.seeding)" if seeding else ""
 
 
+from dfca.cli.data_commands import register as _register_data_commands  # noqa: E402
 from dfca.cli.remote_commands import register as _register_remote_commands  # noqa: E402
 
 _register_remote_commands(app)
+_register_data_commands(app)
 
 
 def main() -> None:

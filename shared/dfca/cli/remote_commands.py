@@ -449,7 +449,8 @@ def short(value: Any) -> str:
 def round_line(record: dict[str, Any], schedule: RoundSchedule | None = None) -> str:
     line = f"{round_label(int(record['round']), schedule)}: workers {record.get('workers_reported', '?')}"
     if "test_accuracy" in record:
-        line += f", accuracy {record['test_accuracy']:.4f}, ARI {record.get('ari', float('nan')):.3f}"
+        line += f", accuracy {record['test_accuracy']:.4f}"
+        line += f", ARI {record['ari']:.3f}" if "ari" in record else ""
     return line + f", {record.get('seconds', 0.0):.2f} s"
 
 
@@ -461,6 +462,6 @@ def event_line(event: str, data: dict[str, Any], schedule: RoundSchedule | None 
         failed = data.get("failed_clients") or []
         return f"status: {data['status']}" + (f" (failed clients {failed})" if failed else "")
     if event == "summary":
-        return (f"summary: accuracy {number(data.get('test_accuracy'))}, ARI {number(data.get('cluster_ari'))}, "
-                f"rounds {data.get('rounds_completed')}")
+        ari = f"ARI {number(data['cluster_ari'])}, " if "cluster_ari" in data else ""
+        return f"summary: accuracy {number(data.get('test_accuracy'))}, {ari}rounds {data.get('rounds_completed')}"
     return f"{event}: {json.dumps(data)}"

@@ -54,6 +54,7 @@ from dfca.data.bundled import BUNDLED_MNIST_CLASSES, DIGITS_CLASSES, load_digits
 from dfca.data.categories import category_data
 from dfca.data.cifar10 import load_cifar10
 from dfca.data.femnist import load_femnist
+from dfca.data.folder_federation import read_folder_federation
 from dfca.data.idx import load_emnist, load_mnist
 from dfca.data.label_skew import label_skew_data
 from dfca.data.partition import (
@@ -100,13 +101,27 @@ def split_source(pool: ImagePool, num_classes: int, test_fraction: float, seed: 
 
 
 def build_federated_data(cfg: ExperimentBase) -> FederatedData:
-    """The config's client shards: images (rotated per cluster), or feature vectors (dfca.data.features)."""
+    """The config's client shards: images (rotated per cluster), or feature vectors (dfca.data.features); a folder
+    federation's clients as its files hold them (dfca.data.folder_federation)."""
+    if cfg.data.source != "builtin":
+        return source_data(cfg)
     if cfg.data.dataset == "blobs":
         return features.blobs(cfg)
     images = client_images(cfg) if cfg.data.partition == "rotation" else label_skew(cfg)
     if cfg.data.features == "projection":
         return features.projected(images, cfg.data.feature_dim, cfg.seed)
     return images
+
+
+def source_data(cfg: ExperimentBase) -> FederatedData:
+    """`data.source: folder`: every client of data.path; the config's data.clients must count them."""
+    data = cfg.data
+    if data.source != "folder" or data.path is None:
+        raise ValueError(f"data.source: {data.source} data is read by the workers that hold it, not built here")
+    read = read_folder_federation(data.path, cfg.seed, data.test_fraction, classes=data.classes)
+    if read.num_clients != data.clients:
+        raise ValueError(f"data.clients: {data.clients}, but {data.path} holds {read.num_clients} clients")
+    return read
 
 
 def label_skew(cfg: ExperimentBase) -> FederatedData:

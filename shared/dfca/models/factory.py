@@ -167,11 +167,13 @@ def count_values(module: nn.Module) -> int:
     return sum(math.prod(t.shape) for t in module.state_dict().values() if t.is_floating_point())
 
 
-def check_config_model(cfg: ExperimentBase, allowed: Sequence[str] | None = None) -> None:
+def check_config_model(cfg: ExperimentBase, allowed: Sequence[str] | None = None,
+                       read: tuple[tuple[int, ...], int] | None = None) -> None:
     """Refuse (ModelFactoryError) a `kind: torch` config whose factory cannot make a module that fits its data, before
-    any data is read: `dfca validate` and `dfca run` with `allowed` None, the topology service with its allow-list."""
+    any data is read: `dfca validate` and `dfca run` with `allowed` None, the topology service with its allow-list;
+    `read`: (input shape, classes) of data read already (a folder federation's)."""
     if cfg.model.kind != "torch" or not cfg.algorithm_class.trains_classifier:  # k-means, autoencoders
         return
     assert cfg.model.factory is not None  # the schema requires it with kind torch
-    shape, classes = sample_shape(cfg.data)
+    shape, classes = read if read is not None else sample_shape(cfg.data)
     build_module(cfg.model.factory, dict(cfg.model.options), shape, classes, allowed)

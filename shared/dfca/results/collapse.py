@@ -23,7 +23,8 @@ class CollapseWatch:
                 f"round {record['round']}: only {record['populated_clusters']} of {self.k} clusters are "
                 "populated (cluster collapse)"
             )
-        self._ari.append(record["ari"])
+        if "ari" in record:  # the true clusters are known
+            self._ari.append(record["ari"])
         recent = self._ari[-STALL_ROUNDS:]
         if len(recent) == STALL_ROUNDS and max(recent) - min(recent) < 1e-9 and recent[-1] < STALL_ARI:
             found["stall"] = (

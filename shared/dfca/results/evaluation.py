@@ -12,6 +12,19 @@ from dfca.core.params import cluster_views
 from dfca.models.batched import Params
 
 
+def truth_known(truth: Tensor) -> bool:
+    """Whether every client's true cluster is known: a folder federation without clusters.json has -1 everywhere,
+    and then no ARI or matched cluster accuracy is reported at all."""
+    return truth.numel() > 0 and bool((truth >= 0).all())
+
+
+def clustering_scores(assigned: Tensor, truth: Tensor, ari: str = "ari") -> dict[str, float]:
+    """{ari: ARI, "cluster_acc": matched accuracy} against the true clusters, or {} where they are unknown."""
+    if not truth_known(truth):
+        return {}
+    return {ari: cluster_ari(assigned, truth), "cluster_acc": cluster_accuracy(assigned, truth)}
+
+
 def cluster_ari(assigned: Tensor, truth: Tensor) -> float:
     """The adjusted Rand index of the clients' assignment against their true clusters."""
     return adjusted_rand_index(truth.cpu().numpy(), assigned.cpu().numpy())

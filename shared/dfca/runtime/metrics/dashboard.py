@@ -24,9 +24,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from dfca.algorithms import schedule_of
 from dfca.config import ConfigError, parse_config
 from dfca.core.label_matching import label_matching
-from dfca.results.evaluation import cluster_ari
+from dfca.results.evaluation import clustering_scores
 from dfca.runtime.metrics.metrics_store import MetricsStore
-from dfca.runtime.metrics.run_summary import final_evaluation, history, summary_of, truth_known
+from dfca.runtime.metrics.run_summary import final_evaluation, history, summary_of
 
 STATIC = files("dfca.runtime.metrics") / "dashboard_static"
 MEDIA = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".txt": "text/plain",
@@ -77,10 +77,9 @@ def add_dashboard(app: FastAPI, store: MetricsStore, topology_url: str | None) -
         for experiment in store.experiment_ids():
             ev = final_evaluation(store.reports(experiment), set())
             if ev.get("clients"):
-                truth = torch.tensor(ev["true_cluster"])
                 out[experiment] = {"test_accuracy": sum(ev["test_accuracy"]) / len(ev["test_accuracy"]),
-                                   "cluster_ari": cluster_ari(torch.tensor(ev["assigned"]), truth)
-                                   if truth_known(truth) else None}
+                                   **clustering_scores(torch.tensor(ev["assigned"]), torch.tensor(ev["true_cluster"]),
+                                                       ari="cluster_ari")}
         return out
 
     @app.api_route("/ui/api/topology/{path:path}", methods=["GET", "POST"], include_in_schema=False)

@@ -111,7 +111,8 @@ class RuntimeCollector(Collector):
         if evaluated:
             last = evaluated[-1]
             families["accuracy"].add_metric([experiment_id], last["test_accuracy"])
-            families["ari"].add_metric([experiment_id], last["ari"])
+            if "ari" in last:  # the true clusters are known
+                families["ari"].add_metric([experiment_id], last["ari"])
             for j, acc in enumerate(last["cluster_accuracy"]):
                 if acc is not None:
                     families["cluster_accuracy"].add_metric([experiment_id, str(j)], acc)

@@ -26,7 +26,7 @@ from dfca.config import ExperimentConfig
 from dfca.core.soft_assignment import mixture_error
 from dfca.data import FederatedData, build_federated_data
 from dfca.graph import build_graph, neighbours
-from dfca.results.evaluation import assignment_counts, cluster_accuracy, cluster_ari, populated_clusters
+from dfca.results.evaluation import assignment_counts, clustering_scores, populated_clusters
 from dfca.runtime.control.placement import data_on_workers
 from dfca.runtime.metrics.metrics_store import MetricsStore, StoredExperiment, StoredReport
 from dfca.simulator import build_summary, last_rounds_means
@@ -86,12 +86,6 @@ def _shards(config_json: str) -> FederatedData:
     return build_federated_data(cfg)
 
 
-def truth_known(truth: torch.Tensor) -> bool:
-    """Whether every client's true cluster is known (a folder federation without clusters.json reports -1): ARI and
-    matched cluster accuracy need all of them."""
-    return truth.numel() > 0 and bool((truth >= 0).all())
-
-
 @lru_cache(maxsize=4)
 def _graph(config_json: str) -> dict[int, list[int]]:
     cfg = ExperimentConfig.model_validate_json(config_json)
@@ -122,8 +116,7 @@ def clustering_metrics(ev: dict[str, list[Any]], k: int) -> dict[str, Any]:
         "train_loss": float(torch.tensor(ev["train_loss"]).mean()),
         "assignment_counts": assignment_counts(assigned, k),
         "populated_clusters": populated_clusters(assigned),
-        "ari": cluster_ari(assigned, truth) if truth_known(truth) else None,
-        "cluster_acc": cluster_accuracy(assigned, truth) if truth_known(truth) else None,
+        **clustering_scores(assigned, truth),  # none where the true clusters are unknown
         "cluster_accuracy": per_cluster_accuracy(acc, assigned, k),
     }
 
@@ -223,8 +216,6 @@ def summarize(
     wall = max(end - (experiment.started_at or end), 0.0)
     if accuracy.numel():
         summary = build_summary(cfg, rounds, accuracy, assigned, truth, wall, [])
-        if not truth_known(truth):
-            summary.update(cluster_ari=None, cluster_acc=None)
     else:
         summary = {
             "name": cfg.name,
