@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `harness`
+sys.path[:0] = [str(Path(__file__).resolve().parents[2])]  # the repository's root, for its `services`
 
 from services.worker.main import main  # noqa: E402
 
