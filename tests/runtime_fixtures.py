@@ -75,12 +75,13 @@ def running_stack(state_dir: Path, broker_url: str, workers: int = 3, aggregator
                   broker_users: dict[str, str] | None = None, read_token: str = "",
                   forge: dict[int, str] | None = None, model_factories: str = "",
                   data_dirs: list[Path] | None = None, worker_programs: dict[int, list[str]] | None = None,
-                  ) -> Iterator[Stack]:
+                  ready: list[str] | None = None) -> Iterator[Stack]:
     """A supervised stack (same code as `dfca up`, with `--aggregator` if asked) on free ports, stopped on exit;
     `broker_users`: each process connects as its own principal (`dfca up --broker-users`); `read_token`:
     DFCA_READ_TOKEN; `forge`: worker ordinal -> what it forges (harness.forging_worker); `model_factories`:
     DFCA_MODEL_FACTORIES (the model factories its services may import); `data_dirs`: worker i's own data folder
-    (`dfca up --data`); `worker_programs`: worker ordinal -> the program that runs it (harness.audited_worker)."""
+    (`dfca up --data`); `worker_programs`: worker ordinal -> the program that runs it (harness.audited_worker);
+    `ready`: the services waited for (default: all)."""
     options = StackOptions(
         workers=workers, broker_url=broker_url, topology_port=free_port(), metrics_port=free_port(),
         aggregator_port=free_port() if aggregator else None, worker_port_base=free_port_block(workers),
@@ -93,7 +94,7 @@ def running_stack(state_dir: Path, broker_url: str, workers: int = 3, aggregator
     stop = threading.Event()
     stack.start()
     try:
-        stack.wait_ready(timeout=120)
+        stack.wait_ready(timeout=120, names=ready)
         stack.supervise(stop)
         yield stack
     except BaseException:

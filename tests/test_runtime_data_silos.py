@@ -158,9 +158,16 @@ def test_a_client_held_by_two_workers_is_refused(rabbitmq_url: str, tmp_path: Pa
     data = federation()
     a = write_folder(tmp_path / "a", data, [0, 1, 2, 3])
     b = write_folder(tmp_path / "b", data, [3, 4, 5, 6])
-    with running_stack(tmp_path / "stack", rabbitmq_url, workers=2, data_dirs=[a, b]) as stack:
+    with running_stack(tmp_path / "stack", rabbitmq_url, workers=2, data_dirs=[a, b],
+                       ready=["topology", "metrics"]) as stack:  # the refused worker never is
         api = Api.of(stack)
-        refused = api.topology.get("/deployment").json()["data_refused"]
+        deadline = time.monotonic() + 120
+        view = api.topology.get("/deployment").json()
+        while len(view["data"]) + len(view["data_refused"]) < 2:
+            assert time.monotonic() < deadline, f"the workers did not both register: {view}"
+            time.sleep(0.5)
+            view = api.topology.get("/deployment").json()
+        refused = view["data_refused"]
         assert len(refused) == 1, refused
         ordinal, reason = next(iter(refused.items()))
         other = 1 - int(ordinal)
@@ -168,6 +175,8 @@ def test_a_client_held_by_two_workers_is_refused(rabbitmq_url: str, tmp_path: Pa
         created = api.topology.post("/experiments", json=silo_config())
         assert created.status_code == 422
         assert f"worker {ordinal} is refused" in created.text and "site-03" in created.text
+        assert not stack.ready(f"worker-{ordinal}")  # its /readyz fails
+        assert "refused this worker's data" in worker_log(stack, int(ordinal))
 
 
 def test_a_worker_on_a_bad_folder_stops_naming_the_client(tmp_path: Path) -> None:
