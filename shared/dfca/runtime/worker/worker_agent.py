@@ -46,6 +46,7 @@ from dfca.transport import Transport
 log = logging.getLogger(__name__)
 
 RECOVER_RETRY_S = 2.0
+REGISTRATION_CHECK_BEATS = 5  # a worker holding data asks whether its registration was refused every 5 heartbeats
 
 
 def with_data_root(cfg: ExperimentConfig, data_root: str | None) -> ExperimentConfig:
@@ -160,6 +161,7 @@ class WorkerAgent:
         self.consumer.run_forever(self.stopping)
 
     def _heartbeat_loop(self) -> None:
+        beats = 0
         while True:
             with self.lock:
                 runners = [r for r in self.runners.values() if not r.finished]
@@ -173,6 +175,9 @@ class WorkerAgent:
                     self.transport.publish(topics.METRICS_EXCHANGE, event_key(event), encode(event))
             except Exception as err:  # the transport retries; a missed heartbeat is harmless
                 log.warning("heartbeat failed: %s", err)
+            if self.silo is not None and self.topology_url and beats % REGISTRATION_CHECK_BEATS == 1:
+                self.check_registration()  # a refusal is logged even where nobody probes /readyz
+            beats += 1
             if self.stopping.wait(HEARTBEAT_S):
                 return
 
@@ -205,16 +210,19 @@ class WorkerAgent:
             return "unknown"
         return str(response.json().get("status")) if response.is_success else None
 
+    def check_registration(self) -> str | None:
+        """Ask the topology service whether it refused this worker's data; log a new refusal. The refusal, or None."""
+        refusal = data_refusal(self._http, self.topology_url, self.ordinal)
+        if refusal is not None and refusal != self.refusal:
+            log.error("the topology service refused this worker's data: %s", refusal)
+        self.refusal = refusal
+        return refusal
+
     def ready(self) -> bool:
         """Rejoined the running experiments, and known to the topology service (dfca.runtime.service.registration),
         which has not refused its data."""
-        if self.silo is not None:
-            refusal = data_refusal(self._http, self.topology_url, self.ordinal)
-            if refusal != self.refusal and refusal is not None:
-                log.error("the topology service refused this worker's data: %s", refusal)
-            self.refusal = refusal
-            if refusal is not None:
-                return False
+        if self.silo is not None and self.check_registration() is not None:
+            return False
         return (self.recovered.is_set() and not self.stopping.is_set()
                 and known_to_topology(self._http, self.topology_url, "worker", self.ordinal))
 
