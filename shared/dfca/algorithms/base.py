@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from dfca.core import accuracy_with, loss_matrix
+from dfca.algorithms.client_data import test_accuracy, train_losses
 from dfca.data import FederatedData
 from dfca.identity import topics
 from dfca.models.batched import BatchedModel, Params
@@ -291,13 +291,11 @@ class Algorithm(ABC):
         return self.ctx.data
 
     def losses_of(self, params: Params) -> Tensor:
-        d = self.data()
-        return loss_matrix(self.ctx.model, params, d.x_train, d.y_train)
+        return train_losses(self.ctx.model, params, self.data())
 
     def evaluation(self, params: Params, losses: Tensor, assigned: Tensor, keeps_k: bool = True) -> Evaluation:
         """Each client's test accuracy and train loss with its model of `assigned`."""
-        d = self.data()
-        acc = accuracy_with(self.ctx.model, params, assigned, d.x_test, d.y_test)
+        acc = test_accuracy(self.ctx.model, params, assigned, self.data())
         loss = losses.gather(1, assigned.unsqueeze(1)).squeeze(1)
         return Evaluation(assigned, acc, loss, params if keeps_k else None)
 

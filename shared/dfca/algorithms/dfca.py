@@ -46,6 +46,7 @@ from dfca.algorithms.base import (
     params_in,
     state_of,
 )
+from dfca.algorithms.client_data import first_samples, sample_counts, train_assigned
 from dfca.core import (
     assign_clusters,
     fold_models,
@@ -53,8 +54,8 @@ from dfca.core import (
     loss_matrix,
     round_seeds,
     self_weights,
-    train_assigned,
 )
+from dfca.core.assignment import masked_mean
 from dfca.core.consensus import (
     RoundedWalkConsensus,
     StepConsensus,
@@ -283,6 +284,8 @@ class DFCA(Algorithm):
         self.losses = self.losses_of(self.params)
         self.assigned = assign_clusters(self.losses)
         self.weight = torch.ones(len(ctx.clients), self.k, device=ctx.device)  # c_ij of the open one-hop merge
+        # n_i: clients of unequal size weigh their copies by their sample counts in the one-hop merge
+        self.sizes = sample_counts(ctx.data) if ctx.data is not None and ctx.data.is_ragged else None
         self.consensus: WalkConsensus | RoundedWalkConsensus | StepConsensus | None = None
         self.seeds: SeedCandidates | None = None
 
@@ -298,7 +301,7 @@ class DFCA(Algorithm):
             return {**self.model_spec((self.k,), "num."), "den": TensorSpec((self.k,), "float32")}
         if ex.name == "seed":
             return {**self.model_spec(), "score": TensorSpec((), "float64"), "origin": TensorSpec((), "int64")}
-        return self.model_spec()
+        return self.model_spec() if self.sizes is None else {**self.model_spec(), "samples": TensorSpec((), "float32")}
 
     # -- a round -------------------------------------------------------------------------------------
     def begin_round(self, t: int) -> None:
@@ -316,7 +319,7 @@ class DFCA(Algorithm):
         screening = cfg.dfca.screen and self.schedule.gossip_steps(t) > 0 and not agreeing
         anchor = {n: v.clone() for n, v in self.params.items()} if screening else None
         train_assigned(  # eq. 5
-            self.ctx.model, self.params, self.assigned, d.x_train, d.y_train, lr=self.schedule.lr(t),
+            self.ctx.model, self.params, self.assigned, d, lr=self.schedule.lr(t),
             epochs=self.schedule.epochs(t), batch_size=cfg.train.batch_size,
             seeds=round_seeds(cfg.seed, self.ctx.clients, t),
         )
@@ -333,6 +336,8 @@ class DFCA(Algorithm):
                 self.consensus = RoundedWalkConsensus(m, rounding)
         else:
             self.weight = self_weights(self.assigned, self.k, cfg.dfca.merge_rule)
+            if self.sizes is not None:
+                self.weight *= self.sizes.unsqueeze(1)
 
     def screen(self, anchor: Params) -> Screen:
         """What this round's gossip screens arrivals against (core.screened_gossip): last round's models, the
@@ -347,10 +352,8 @@ class DFCA(Algorithm):
 
     def sample_loss(self, rows: Tensor, models: Params) -> Tensor:
         """[R]: the loss of models [R, ...] on the first SCREEN_SAMPLES training samples of each row."""
-        d = self.data()
-        x = d.x_train[:, :SCREEN_SAMPLES].index_select(0, rows)
-        y = d.y_train[:, :SCREEN_SAMPLES].index_select(0, rows)
-        return loss_matrix(self.ctx.model, {n: v.unsqueeze(1) for n, v in models.items()}, x, y)[:, 0]
+        x, y, mask = first_samples(self.data(), rows, SCREEN_SAMPLES)
+        return loss_matrix(self.ctx.model, {n: v.unsqueeze(1) for n, v in models.items()}, x, y, mask)[:, 0]
 
     def fits_own_data(self, rows: Tensor, estimates: Params) -> Tensor:
         """[P] bool: each estimate of row `rows[p]`'s own cluster is not much worse on that row's samples than its
@@ -368,7 +371,7 @@ class DFCA(Algorithm):
         phi = {n: v[:, :1].clone() for n, v in self.params.items()}
         train_assigned(
             self.ctx.model, phi, torch.zeros(len(self.ctx.clients), dtype=torch.long, device=self.ctx.device),
-            d.x_train, d.y_train, lr=self.schedule.lr(t), epochs=self.schedule.epochs(t),
+            d, lr=self.schedule.lr(t), epochs=self.schedule.epochs(t),
             batch_size=self.ctx.cfg.train.batch_size, seeds=round_seeds(self.ctx.cfg.seed, self.ctx.clients, t),
         )
         return {n: v[:, 0] for n, v in phi.items()}
@@ -388,7 +391,8 @@ class DFCA(Algorithm):
             return Outbox(rows, torch.zeros_like(rows), self.consensus.outgoing())
         order = self.assigned.argsort(stable=True)  # eq. 6, grouped by cluster
         part = self.assigned[order]
-        return Outbox(order, part, gather_clusters(self.params, part, order))
+        models = gather_clusters(self.params, part, order)
+        return Outbox(order, part, models if self.sizes is None else {**models, "samples": self.sizes[order]})
 
     def receive(self, ex: Exchange, inbox: Inbox) -> int:
         if ex.name == "seed":
@@ -406,7 +410,8 @@ class DFCA(Algorithm):
         if ex.name == "gossip":
             assert self.consensus is not None
             return self.consensus.receive(inbox.delivered, inbox.tensors)
-        return fold_models(self.params, self.weight, inbox.delivered, inbox.part, inbox.tensors)  # eq. 7/8
+        arrivals = inbox.delivered if self.sizes is None else inbox.delivered * inbox.tensors["samples"].unsqueeze(0)
+        return fold_models(self.params, self.weight, arrivals, inbox.part, inbox.tensors)  # eq. 7/8, n-weighted
 
     def candidate_check(self, rows: Tensor, candidates: Params) -> Tensor:
         """[R] bool: the candidate each row would keep is a finite model whose output depends on that row's inputs,
@@ -414,13 +419,16 @@ class DFCA(Algorithm):
         what seed j predicts on DUPLICATE_AGREEMENT of the row's samples (a liar's copy of seed 0 would make two
         clusters one)."""
         assert self.seeds is not None
-        x = self.data().x_train.index_select(0, rows)
+        x, _, mask = first_samples(self.data(), rows)
         logits = self.ctx.model.logits({n: v.to(x.device) for n, v in candidates.items()}, x)
+        if mask is not None:  # padding reads as the row's first sample
+            logits = torch.where(mask.unsqueeze(2), logits, logits[:, :1])
         ok = responds_to_input(logits)
         predicted = logits.argmax(-1)
         for j in range(self.seeds.slot):
             seed = self.ctx.model.logits({n: v[:, j].index_select(0, rows) for n, v in self.params.items()}, x)
-            ok &= (predicted == seed.argmax(-1)).float().mean(1) < DUPLICATE_AGREEMENT
+            same = (predicted == seed.argmax(-1)).float()
+            ok &= (same.mean(1) if mask is None else masked_mean(same, mask)) < DUPLICATE_AGREEMENT
         return ok
 
     def end_exchange(self, ex: Exchange) -> None:

@@ -25,7 +25,8 @@ from dfca.algorithms.base import (
     params_in,
     state_of,
 )
-from dfca.core import fold_models, init_cluster_models, round_seeds, train_assigned
+from dfca.algorithms.client_data import train_assigned
+from dfca.core import fold_models, init_cluster_models, round_seeds
 from dfca.core.mixing import metropolis_hastings_weights
 from dfca.models.batched import Params
 from dfca.wire.codec import TensorSpec
@@ -66,7 +67,7 @@ class DFedAvgM(Algorithm):
         """Local SGD with `train.momentum`; the own model enters the mixing with w_ii."""
         cfg, d = self.ctx.cfg, self.data()
         train_assigned(
-            self.ctx.model, self.params, self.only, d.x_train, d.y_train, lr=self.schedule.lr(t),
+            self.ctx.model, self.params, self.only, d, lr=self.schedule.lr(t),
             epochs=self.schedule.epochs(t), batch_size=cfg.train.batch_size,
             seeds=round_seeds(cfg.seed, self.ctx.clients, t), momentum=cfg.train.momentum,
         )

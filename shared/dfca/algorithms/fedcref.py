@@ -179,16 +179,17 @@ class FedCRef(Algorithm):
 
     def __init__(self, ctx: HostContext) -> None:
         super().__init__(ctx)
-        cfg, d = ctx.cfg, self.data()
+        cfg, d = ctx.cfg, self.data().padded()
         self.options = cfg.fedcref
         self.n_clients = cfg.data.clients
         self.k_max = category_range(cfg, d.num_classes)[1]
         self.x = d.x_train.flatten(2)  # [M, n_max, d]
-        self.valid = d.y_train >= 0  # [M, n_max]
-        self.truth = d.y_train
+        real = d.train_mask
+        self.valid = d.y_train >= 0 if real is None else (d.y_train >= 0) & real  # [M, n_max]: not padding
+        self.truth = torch.where(self.valid, d.y_train, -1)  # the categories' labels, -1 on padding
         self.counts = self.valid.sum(1)
         self.k = 1
-        self.clusters = torch.tensor([int(torch.unique(y[y >= 0]).numel()) for y in d.y_train], device=ctx.device)
+        self.clusters = torch.tensor([int(torch.unique(y[y >= 0]).numel()) for y in self.truth], device=ctx.device)
         dim = self.x.shape[-1]
         self.layout = ae.shapes(dim, self.options.layers)
         rows = len(ctx.clients)

@@ -46,6 +46,7 @@ from pydantic import Field
 from torch import Tensor
 
 from dfca.algorithms.base import Algorithm, Evaluation, Exchange, Graph, HostContext, Inbox, Outbox, params_in, state_of
+from dfca.core.assignment import masked_mean
 from dfca.core.cluster_refinement import agreement
 from dfca.core.kmeans import (
     Neighbours,
@@ -70,8 +71,9 @@ CENTROIDS = "centroids"
 def initial_centroids(ctx: HostContext) -> Tensor:
     """[M, k, d]: k-means++ on every hosted node's points, each seeded by the node's id."""
     assert ctx.data is not None, "k-means nodes hold data"
-    points, k = ctx.data.x_train, ctx.cfg.clusters
-    return torch.stack([kmeans_plus_plus(points[r], k, ctx.cfg.seed * 1_000_003 + 31 * c + 17)
+    data, k = ctx.data.padded(), ctx.cfg.clusters
+    points, count = data.x_train, data.train_sizes.tolist()
+    return torch.stack([kmeans_plus_plus(points[r, : count[r]], k, ctx.cfg.seed * 1_000_003 + 31 * c + 17)
                         for r, c in enumerate(ctx.clients)])
 
 
@@ -108,6 +110,7 @@ class KMeansNodes(Algorithm):
     def __init__(self, ctx: HostContext) -> None:
         super().__init__(ctx)
         self.k = ctx.cfg.clusters
+        self.points = self.data().padded()  # a node's points (feature vectors: padded in one tensor set)
         self.centroids = initial_centroids(ctx)  # W [M, k, d]
         self.round = 0
 
@@ -129,11 +132,12 @@ class KMeansNodes(Algorithm):
         return Outbox(rows, torch.zeros_like(rows), {CENTROIDS: self.centroids.clone()})
 
     def evaluate(self) -> Evaluation:
-        d = self.data()
+        d = self.points
         near = squared_distances(d.x_test, self.centroids).argmin(-1)  # [M, n_test]
-        accuracy = torch.tensor([agreement(p.numpy(), t.numpy()) for p, t in zip(near.cpu(), d.y_test.cpu(),
-                                                                                 strict=True)])
-        loss = squared_distances(d.x_train, self.centroids).min(-1).values.mean(1)
+        accuracy = torch.tensor([agreement(p[:n].numpy(), t[:n].numpy()) for p, t, n in
+                                 zip(near.cpu(), d.y_test.cpu(), d.test_sizes.tolist(), strict=True)])
+        nearest = squared_distances(d.x_train, self.centroids).min(-1).values
+        loss = nearest.mean(1) if d.train_mask is None else masked_mean(nearest, d.train_mask)
         only = torch.zeros(len(self.ctx.clients), dtype=torch.long, device=self.ctx.device)
         return Evaluation(only, accuracy.to(self.ctx.device), loss, {CENTROIDS: self.centroids},
                           {CENTROIDS: self.centroids.tolist()})
@@ -153,9 +157,14 @@ class FedKMeans(KMeansNodes):
 
     def __init__(self, ctx: HostContext) -> None:
         super().__init__(ctx)
-        m = self.data().y_train.shape[1]
-        weight = 1.0 if ctx.cfg.fedkmeans.data_weight == "one" else 1.0 / m
-        self.point_weight = torch.full((len(ctx.clients),), weight, device=ctx.device)
+        d = self.points
+        if (mask := d.train_mask) is None:
+            m = d.y_train.shape[1]
+            weight = 1.0 if ctx.cfg.fedkmeans.data_weight == "one" else 1.0 / m
+            self.point_weight = torch.full((len(ctx.clients),), weight, device=ctx.device)
+        else:  # each point's a: 1 or 1 / m_i of its own node, 0 at padding
+            a = 1.0 if ctx.cfg.fedkmeans.data_weight == "one" else 1.0 / d.train_sizes.unsqueeze(1).float()
+            self.point_weight = mask.float() * a
         self.forget_neighbours()
 
     def forget_neighbours(self) -> None:
@@ -201,7 +210,7 @@ class FedKMeans(KMeansNodes):
         if rows.numel() == 0:
             return
         near = Neighbours(self.heard[rows], self.heard_round[rows] >= 0)
-        w, _ = gtv_update(self.data().x_train[rows], self.centroids[rows], near, cfg.alpha, self.point_weight[rows],
+        w, _ = gtv_update(self.points.x_train[rows], self.centroids[rows], near, cfg.alpha, self.point_weight[rows],
                              with_e3=cfg.e3, passes=cfg.passes, tol=cfg.tol)
         self.centroids[rows] = w
 
@@ -242,8 +251,9 @@ class DistKMeans(KMeansNodes):
         for r, got in self.arrived.items():
             theirs[r, : len(got)] = torch.stack(got)
             mask[r, : len(got)] = True
-        self.centroids, self.dual = distributed_kmeans_step(self.data().x_train, self.centroids, self.dual,
-                                                            Neighbours(theirs, mask), self.ctx.cfg.distkmeans.eta)
+        self.centroids, self.dual = distributed_kmeans_step(self.points.x_train, self.centroids, self.dual,
+                                                            Neighbours(theirs, mask), self.ctx.cfg.distkmeans.eta,
+                                                            self.points.train_mask)
 
     def state(self) -> dict[str, Tensor]:
         return state_of(self.params, dual=self.dual)
@@ -281,8 +291,14 @@ def kmeans_metrics(cfg: ExperimentBase, data: FederatedData, graph: Graph,
     clients = [int(c) for c in report["clients"]]
     w = torch.tensor(report[CENTROIDS], dtype=torch.float32)  # [n, k, d]
     row = {c: r for r, c in enumerate(clients)}
+    data = data.padded()
     x, y = data.x_train[clients].cpu(), data.y_train[clients].cpu()
-    reference = centralised_centroids(cfg, data.x_train.reshape(-1, data.x_train.shape[-1]).cpu())
+    sizes = data.train_sizes.tolist()
+    counts = torch.tensor([sizes[c] for c in clients])  # m_i of the reported nodes
+    real = torch.arange(x.shape[1]).unsqueeze(0) < counts.unsqueeze(1)
+    pooled = (data.x_train.reshape(-1, data.x_train.shape[-1]) if data.train_mask is None
+              else torch.cat([data.x_train[c, : sizes[c]] for c in range(data.num_clients)]))
+    reference = centralised_centroids(cfg, pooled.cpu())
     k = cfg.clusters
     gcd = float(set_distance(w, reference.expand_as(w)).sum()) / (2 * len(clients) * k)
     per_node = []  # (1/|N_i|) sum_{i' in N_i} d(W_i, W_i'), for the nodes with a neighbour
@@ -294,15 +310,19 @@ def kmeans_metrics(cfg: ExperimentBase, data: FederatedData, graph: Graph,
     edges = [(row[c], row[m]) for c in clients for m in graph.get(c, ()) if m in row and m > c]
     gtv = sum(float(set_distance(w[a], w[b])) for a, b in edges)  # each undirected edge once, as in (7)
     labels = squared_distances(x, w).argmin(-1)
-    ari = float(np.mean([adjusted_rand_index(t.numpy(), p.numpy()) for t, p in zip(y, labels, strict=True)]))
-    losses = squared_distances(x, w).min(-1).values.sum(1)  # L_i of (6)
-    point_weight = 1.0 if cfg.fedkmeans.data_weight == "one" else 1.0 / x.shape[1]
+    ari = float(np.mean([adjusted_rand_index(t[:n].numpy(), p[:n].numpy())
+                         for t, p, n in zip(y, labels, counts.tolist(), strict=True)]))
+    losses = (squared_distances(x, w).min(-1).values * real).sum(1)  # L_i of (6), over the node's own points
+    point_weight: float | Tensor = 1.0 if cfg.fedkmeans.data_weight == "one" else 1.0 / x.shape[1]
+    if data.train_mask is not None and cfg.fedkmeans.data_weight != "one":
+        point_weight = 1.0 / counts.float()  # a = 1 / m_i, each node its own
     alpha = cfg.fedkmeans.alpha if cfg.algorithm == "fedkmeans" else 0.0
     return {
         "gcd": gcd,
         "cv": cv,
         "point_ari": ari,
-        "objective": float(point_weight * losses.sum()) + alpha * gtv,
-        "centralised_loss": float(squared_distances(x, reference).min(-1).values.sum()),
+        "objective": float((point_weight * losses).sum() if isinstance(point_weight, Tensor)
+                           else point_weight * losses.sum()) + alpha * gtv,
+        "centralised_loss": float((squared_distances(x, reference).min(-1).values * real).sum()),
     }
 

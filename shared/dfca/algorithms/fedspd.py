@@ -32,16 +32,16 @@ from dfca.algorithms.base import (
     params_in,
     state_of,
 )
-from dfca.core import accuracy_with, fold_models, init_cluster_models, loss_matrix, round_seeds
+from dfca.algorithms.client_data import local_sgd, rows_of, test_accuracy, train_losses
+from dfca.core import fold_models, gather_clusters, init_cluster_models, round_seeds, scatter_clusters
 from dfca.core.soft_assignment import (
     datapoint_clusters,
     draw_clusters,
     mixture_shares,
     personalised_models,
     sample_losses,
-    train_on_cluster_data,
 )
-from dfca.models.batched import Params, client_permutations
+from dfca.models.batched import Params
 from dfca.schedule import RoundSchedule
 from dfca.sections import Strict
 from dfca.wire.codec import TensorSpec
@@ -100,10 +100,20 @@ class FedSPD(Algorithm):
         self.relabel()
 
     def relabel(self) -> None:
-        """DATACLUSTERING: every sample to its least-loss cluster; u_is = the shares of the labels."""
-        d = self.data()
-        self.labels = datapoint_clusters(sample_losses(self.ctx.model, self.params, d.x_train, d.y_train))
-        self.shares = mixture_shares(self.labels, self.k)
+        """DATACLUSTERING: every sample to its least-loss cluster; u_is = the shares of the labels (of the client's
+        own samples: padding has no label that counts)."""
+        d, model = self.data(), self.ctx.model
+        if len(blocks := d.blocks()) == 1:
+            self.labels = datapoint_clusters(sample_losses(model, self.params, d.x_train, d.y_train))
+            self.shares = mixture_shares(self.labels, self.k, d.train_mask)
+            return
+        width = int(d.train_sizes.max())
+        self.labels = torch.zeros(d.num_clients, width, dtype=torch.long, device=self.ctx.device)
+        for rows, part in blocks:
+            losses = sample_losses(model, rows_of(self.params, rows), part.x_train, part.y_train)
+            self.labels[rows, : part.y_train.shape[1]] = datapoint_clusters(losses)
+        real = torch.arange(width, device=self.ctx.device).unsqueeze(0) < d.train_sizes.unsqueeze(1)
+        self.shares = mixture_shares(self.labels, self.k, real)
 
     def exchanges(self, t: int) -> list[Exchange]:
         return [Exchange("models", averaged=True, stale_ok=True)]
@@ -115,11 +125,12 @@ class FedSPD(Algorithm):
         """Draw s_i with probability u_is, train c_{i,s_i} on D_{i,s_i} in place."""
         cfg, d, clients = self.ctx.cfg, self.data(), self.ctx.clients
         self.selected = draw_clusters(self.shares, round_seeds(cfg.seed * 31 + 7, clients, t))
-        self.trained = train_on_cluster_data(
-            self.ctx.model, self.params, self.selected, self.labels, d.x_train, d.y_train,
-            lr=self.schedule.lr(t), epochs=self.schedule.epochs(t), batch_size=cfg.train.batch_size,
-            seeds=round_seeds(cfg.seed, clients, t), momentum=cfg.train.momentum,
-        )
+        self.trained = gather_clusters(self.params, self.selected)  # c_{i,s_i}, trained on D_{i,s_i} only
+        if epochs := self.schedule.epochs(t):
+            local_sgd(self.ctx.model, self.trained, d, lr=self.schedule.lr(t), epochs=epochs,
+                      batch_size=cfg.train.batch_size, seeds=round_seeds(cfg.seed, clients, t),
+                      momentum=cfg.train.momentum, sample_mask=self.labels == self.selected.unsqueeze(1))
+            scatter_clusters(self.params, self.selected, self.trained)
         self.weight = torch.nn.functional.one_hot(self.selected, self.k).float()  # own copy counts for s_i only
 
     def send(self, ex: Exchange) -> Outbox:
@@ -140,11 +151,9 @@ class FedSPD(Algorithm):
         """FINALPHASE: x_i = sum_s u_is c_is (eq. 2), then tau_final epochs of local SGD on all of D_i."""
         cfg, d = self.ctx.cfg, self.data()
         personal = personalised_models(self.params, self.shares)
-        if epochs := cfg.fedspd.final_epochs:
-            orders = client_permutations(round_seeds(cfg.seed, self.ctx.clients, FINAL_PHASE_ROUND),
-                                         d.y_train.shape[1], epochs)
-            self.ctx.model.sgd(personal, d.x_train, d.y_train, self.schedule.lr(t), orders, cfg.train.batch_size,
-                               cfg.train.momentum)
+        local_sgd(self.ctx.model, personal, d, lr=self.schedule.lr(t), epochs=cfg.fedspd.final_epochs,
+                  batch_size=cfg.train.batch_size, seeds=round_seeds(cfg.seed, self.ctx.clients, FINAL_PHASE_ROUND),
+                  momentum=cfg.train.momentum)
         self.personal = personal
 
     def current_models(self) -> Params:
@@ -156,8 +165,8 @@ class FedSPD(Algorithm):
         d = self.data()
         models = self.current_models()
         only = torch.zeros(len(self.ctx.clients), dtype=torch.long, device=self.ctx.device)
-        acc = accuracy_with(self.ctx.model, models, only, d.x_test, d.y_test)
-        loss = loss_matrix(self.ctx.model, models, d.x_train, d.y_train)[:, 0]
+        acc = test_accuracy(self.ctx.model, models, only, d)
+        loss = train_losses(self.ctx.model, models, d)[:, 0]
         extra = {"mixture": self.shares.tolist()}
         if d.mixture is not None:
             extra["true_mixture"] = d.mixture.tolist()

@@ -26,8 +26,9 @@ from dfca.algorithms.base import (
     params_in,
     state_of,
 )
+from dfca.algorithms.client_data import local_sgd, sample_counts
 from dfca.core import assign_clusters, fold_models, gather_clusters, round_seeds
-from dfca.models.batched import Params, client_permutations
+from dfca.models.batched import Params
 from dfca.wire.codec import TensorSpec
 
 SERVER_GRACE = 2.0  # a client waits this many round timeouts for the server's models (the server's deadline first)
@@ -77,16 +78,14 @@ class IFCA(Algorithm):
         cfg, d = self.ctx.cfg, self.data()
         self.assigned = assign_clusters(self.losses)
         self.local = gather_clusters(self.params, self.assigned)
-        if epochs := self.schedule.epochs(t):
-            orders = client_permutations(round_seeds(cfg.seed, self.ctx.clients, t), d.y_train.shape[1], epochs)
-            self.ctx.model.sgd(self.local, d.x_train, d.y_train, self.schedule.lr(t), orders, cfg.train.batch_size,
-                               cfg.train.momentum)
+        local_sgd(self.ctx.model, self.local, d, lr=self.schedule.lr(t), epochs=self.schedule.epochs(t),
+                  batch_size=cfg.train.batch_size, seeds=round_seeds(cfg.seed, self.ctx.clients, t),
+                  momentum=cfg.train.momentum)
         self.arrived = {}
 
     def send(self, ex: Exchange) -> Outbox:
         rows = torch.arange(len(self.ctx.clients), device=self.ctx.device)
-        samples = torch.full((rows.numel(),), float(self.data().y_train.shape[1]), device=self.ctx.device)
-        return Outbox(rows, self.assigned, {**self.local, "samples": samples})
+        return Outbox(rows, self.assigned, {**self.local, "samples": sample_counts(self.data())})
 
     def receive(self, ex: Exchange, inbox: Inbox) -> int:
         for s in inbox.delivered.any(0).nonzero().flatten().tolist():

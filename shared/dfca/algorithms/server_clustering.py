@@ -33,8 +33,9 @@ from dfca.algorithms.base import (
     params_in,
     state_of,
 )
-from dfca.core import accuracy_with, loss_matrix, round_seeds
-from dfca.models.batched import BatchedModel, Params, client_permutations
+from dfca.algorithms.client_data import local_sgd, rows_of, sample_counts, test_accuracy, train_losses
+from dfca.core import round_seeds
+from dfca.models.batched import BatchedModel, Params
 from dfca.wire.codec import TensorSpec
 
 if TYPE_CHECKING:
@@ -71,12 +72,15 @@ def representation(model: BatchedModel, params: Params, which: str) -> Tensor:
 
 
 @torch.no_grad()
-def macro_f1(model: BatchedModel, params: Params, x: Tensor, y: Tensor, classes: int) -> Tensor:
+def macro_f1(model: BatchedModel, params: Params, x: Tensor, y: Tensor, classes: int,
+             mask: Tensor | None = None) -> Tensor:
     """[M]: each client's macro-F1 on (x, y) with its own model params [M, ...], over the classes present in its
-    labels or its predictions (scikit-learn's `f1_score(average="macro")`)."""
+    labels or its predictions (scikit-learn's `f1_score(average="macro")`); mask [M, n]: its real samples."""
     pred = model.logits(params, x).argmax(-1)
     hot_true = torch.nn.functional.one_hot(y, classes).float()
     hot_pred = torch.nn.functional.one_hot(pred, classes).float()
+    if mask is not None:
+        hot_true, hot_pred = hot_true * mask.unsqueeze(2), hot_pred * mask.unsqueeze(2)
     tp = (hot_true * hot_pred).sum(1)
     support, predicted = hot_true.sum(1), hot_pred.sum(1)
     f1 = 2 * tp / (support + predicted).clamp(min=1)
@@ -108,15 +112,13 @@ class ClusteredClients(Algorithm):
         """Line 5-6: omega_i^{t,0} <- Omega_{c_i}, then local SGD (Q = local_epochs * ceil(n_i / B) steps)."""
         cfg, d = self.ctx.cfg, self.data()
         self.local = {n: v.clone() for n, v in self.params.items()}
-        if epochs := self.schedule.epochs(t):
-            orders = client_permutations(round_seeds(cfg.seed, self.ctx.clients, t), d.y_train.shape[1], epochs)
-            self.ctx.model.sgd(self.local, d.x_train, d.y_train, self.schedule.lr(t), orders, cfg.train.batch_size,
-                               cfg.train.momentum)
+        local_sgd(self.ctx.model, self.local, d, lr=self.schedule.lr(t), epochs=self.schedule.epochs(t),
+                  batch_size=cfg.train.batch_size, seeds=round_seeds(cfg.seed, self.ctx.clients, t),
+                  momentum=cfg.train.momentum)
 
     def send(self, ex: Exchange) -> Outbox:
         rows = torch.arange(len(self.ctx.clients), device=self.ctx.device)
-        samples = torch.full((rows.numel(),), float(self.data().y_train.shape[1]), device=self.ctx.device)
-        return Outbox(rows, self.cluster.clone(), {**self.local, "samples": samples})
+        return Outbox(rows, self.cluster.clone(), {**self.local, "samples": sample_counts(self.data())})
 
     def receive(self, ex: Exchange, inbox: Inbox) -> int:
         """Line 14: client i takes its cluster c_i^t and Omega_{c_i}^t."""
@@ -141,9 +143,12 @@ class ClusteredClients(Algorithm):
         d, model = self.data(), self.ctx.model
         single = {n: v.unsqueeze(1) for n, v in self.params.items()}
         zero = torch.zeros_like(self.cluster)
-        acc = accuracy_with(model, single, zero, d.x_test, d.y_test)
-        loss = loss_matrix(model, single, d.x_train, d.y_train)[:, 0]
-        f1 = macro_f1(model, self.params, d.x_test, d.y_test, d.num_classes)
+        acc = test_accuracy(model, single, zero, d)
+        loss = train_losses(model, single, d)[:, 0]
+        f1 = torch.empty_like(acc)
+        for rows, part in d.blocks():
+            f1[slice(None) if rows is None else rows] = macro_f1(model, rows_of(self.params, rows), part.x_test,
+                                                                 part.y_test, d.num_classes, part.test_mask)
         extra: dict[str, list[Any]] = {"macro_f1": f1.tolist()}
         for name, value in zip(CHAIN, self.chain.tolist(), strict=True):
             extra[name] = [value] * len(self.ctx.clients)

@@ -13,8 +13,9 @@ EVAL_BLOCK = 64  # clients evaluated together
 
 
 @torch.no_grad()
-def loss_matrix(model: BatchedModel, params: Params, x: Tensor, y: Tensor) -> Tensor:
-    """Mean cross-entropy of every cluster model on every client's data (eq. 1): [M, k]."""
+def loss_matrix(model: BatchedModel, params: Params, x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Mean cross-entropy of every cluster model on every client's data (eq. 1): [M, k]. mask [M, n]: the client's
+    real samples (the mean is over them; padding counts for nothing)."""
     M, k = next(iter(params.values())).shape[:2]
     out = torch.empty(M, k, device=x.device)
     for lo in range(0, M, EVAL_BLOCK):
@@ -23,8 +24,9 @@ def loss_matrix(model: BatchedModel, params: Params, x: Tensor, y: Tensor) -> Te
         xb = x[lo:hi].repeat_interleave(k, dim=0)
         yb = y[lo:hi].repeat_interleave(k, dim=0)
         logits = model.logits(flat, xb)
-        ce = F.cross_entropy(logits.transpose(1, 2), yb, reduction="none").mean(1)
-        out[lo:hi] = ce.reshape(hi - lo, k)
+        ce = F.cross_entropy(logits.transpose(1, 2), yb, reduction="none")
+        out[lo:hi] = (ce.mean(1) if mask is None else masked_mean(ce, mask[lo:hi].repeat_interleave(k, dim=0))
+                      ).reshape(hi - lo, k)
     return out
 
 
@@ -34,8 +36,9 @@ def assign_clusters(losses: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def accuracy_with(model: BatchedModel, params: Params, clusters: Tensor, x: Tensor, y: Tensor) -> Tensor:
-    """Each client's accuracy on (x, y) using its model of `clusters[m]`: [M]."""
+def accuracy_with(model: BatchedModel, params: Params, clusters: Tensor, x: Tensor, y: Tensor,
+                  mask: Tensor | None = None) -> Tensor:
+    """Each client's accuracy on (x, y) using its model of `clusters[m]`: [M]; mask [M, n]: over its real samples."""
     M = clusters.shape[0]
     acc = torch.empty(M, device=x.device)
     rows = torch.arange(M, device=x.device)
@@ -43,5 +46,13 @@ def accuracy_with(model: BatchedModel, params: Params, clusters: Tensor, x: Tens
         sl = slice(lo, min(lo + EVAL_BLOCK, M))
         chosen = gather_clusters(params, clusters[sl], rows[sl])
         pred = model.logits(chosen, x[sl]).argmax(-1)
-        acc[sl] = (pred == y[sl]).float().mean(1)
+        hit = (pred == y[sl]).float()
+        acc[sl] = hit.mean(1) if mask is None else masked_mean(hit, mask[sl])
     return acc
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """[M, n] -> [M]: each row's mean over its True positions (0 for a row with none); what lies elsewhere, even
+    NaN, counts for nothing."""
+    kept = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return kept.sum(1) / mask.sum(1).clamp(min=1).to(values.dtype)

@@ -67,7 +67,8 @@ class Neighbours:
 def node_objective(points: Tensor, w: Tensor, near: Neighbours, alpha: float, point_weight: Tensor,
                    with_e3: bool = True) -> Tensor:
     """(8) at every node: a * L_i(W_i) + alpha * sum over neighbours of d(W_i, V_i') (component II only with E3). [M]"""
-    data = squared_distances(points, w).min(-1).values.sum(-1) * point_weight
+    nearest = squared_distances(points, w).min(-1).values
+    data = nearest.sum(-1) * point_weight if point_weight.dim() == 1 else (nearest * point_weight).sum(-1)
     if alpha == 0 or near.centroids.shape[1] == 0:
         return data
     dist = squared_distances(near.centroids, w.unsqueeze(1))  # [M, D, k' (neighbour), k (local)]
@@ -81,14 +82,19 @@ def gtv_update(points: Tensor, w: Tensor, near: Neighbours, alpha: float, point_
                with_e3: bool = True, passes: int = 20, tol: float = 1e-6) -> tuple[Tensor, Tensor]:
     """Node update (8) by (E1)-(E3) and (M), eq. (11), from centroids w [M, k, d]. Returns (w, objective [M]).
 
-    points [M, m, d]; point_weight [M]: a, the weight of one point (1, or 1 / m_i).
+    points [M, m, d]; point_weight [M]: a, the weight of one point (1, or 1 / m_i); or [M, m], each point's
+    (0 for a padding row of a node with fewer than m points).
     """
     M, k, _ = w.shape
     objective = node_objective(points, w, near, alpha, point_weight, with_e3)
     for _ in range(passes):
         e1 = torch.nn.functional.one_hot(squared_distances(points, w).argmin(-1), k).to(w.dtype)  # [M, m, k]
-        num = point_weight.view(M, 1, 1) * e1.transpose(1, 2) @ points  # [M, k, d]
-        den = point_weight.view(M, 1) * e1.sum(1)  # [M, k]
+        if point_weight.dim() == 1:
+            num = point_weight.view(M, 1, 1) * e1.transpose(1, 2) @ points  # [M, k, d]
+            den = point_weight.view(M, 1) * e1.sum(1)  # [M, k]
+        else:
+            weighted = e1 * point_weight.unsqueeze(2)
+            num, den = weighted.transpose(1, 2) @ points, weighted.sum(1)
         if alpha > 0 and near.centroids.shape[1] > 0:
             dist = squared_distances(near.centroids, w.unsqueeze(1))  # [M, D, k', k]
             live = near.mask.to(w.dtype).view(M, -1, 1, 1)
@@ -110,8 +116,8 @@ def gtv_update(points: Tensor, w: Tensor, near: Neighbours, alpha: float, point_
     return w, objective
 
 
-def distributed_kmeans_step(points: Tensor, m: Tensor, dual: Tensor, near: Neighbours, eta: float
-                            ) -> tuple[Tensor, Tensor]:
+def distributed_kmeans_step(points: Tensor, m: Tensor, dual: Tensor, near: Neighbours, eta: float,
+                            point_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One iteration of distributed k-means (Forero, Cano and Giannakis 2011, D-KM): consensus on centroids of the
     same index between neighbours, by the primal-dual (ADMM) method with step eta.
 
@@ -119,7 +125,8 @@ def distributed_kmeans_step(points: Tensor, m: Tensor, dual: Tensor, near: Neigh
         m_jk(t+1) = [sum_{n: x_jn nearest m_jk(t)} x_jn - 2 v_jk(t) + eta sum_{j' in N_j} (m_jk(t) + m_j'k(t))]
                     / [|{n: x_jn nearest m_jk(t)}| + 2 eta |N_j|]
 
-    m [M, k, d]: the nodes' centroids at t; dual [M, k, d]: v(t-1). Returns (m(t+1), v(t)).
+    m [M, k, d]: the nodes' centroids at t; dual [M, k, d]: v(t-1); point_mask [M, n]: a node's real points (the
+    rest is padding). Returns (m(t+1), v(t)).
     """
     k = m.shape[1]
     live = near.mask.to(m.dtype).view(*near.mask.shape, 1, 1)
@@ -127,6 +134,8 @@ def distributed_kmeans_step(points: Tensor, m: Tensor, dual: Tensor, near: Neigh
     degree = near.degree.view(-1, 1, 1)
     dual = dual + eta / 2 * (degree * m - theirs)
     e1 = torch.nn.functional.one_hot(squared_distances(points, m).argmin(-1), k).to(m.dtype)  # [M, n, k]
+    if point_mask is not None:
+        e1 = e1 * point_mask.unsqueeze(2).to(m.dtype)
     num = e1.transpose(1, 2) @ points - 2 * dual + eta * (degree * m + theirs)
     den = e1.sum(1).unsqueeze(-1) + 2 * eta * degree
     new = torch.where(den > 0, num / den.clamp_min(1e-300), m)

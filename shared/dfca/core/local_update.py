@@ -4,10 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from dfca.core.params import gather_clusters, scatter_clusters
 from dfca.models.batched import BatchedModel, Params, client_permutations
+
+
+def sample_orders(seeds: Sequence[int], n: int, epochs: int, counts: Tensor | None,
+                  sample_mask: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor | None]]:
+    """(orders [M, epochs, n], the sgd keywords that keep it on real samples): a client's order permutes its own
+    `counts` samples; the mask (its real samples, and of those `sample_mask`'s) keeps padding out of every step."""
+    if counts is None:
+        return client_permutations(seeds, n, epochs), {"sample_mask": sample_mask}
+    real = torch.arange(n, device=counts.device).unsqueeze(0) < counts.unsqueeze(1)
+    mask = real if sample_mask is None else real & sample_mask
+    return client_permutations(seeds, n, epochs, counts.tolist()), {"sample_mask": mask}
 
 
 def round_seeds(seed: int, clients: Sequence[int], round_: int) -> list[int]:
@@ -27,11 +39,15 @@ def train_assigned(
     batch_size: int,
     seeds: Sequence[int],
     momentum: float = 0.0,
+    counts: Tensor | None = None,
 ) -> None:
-    """theta_{i,c(i)} <- theta_{i,c(i)} - lr * grad F_client(theta_{i,c(i)}, D_i), for `epochs` epochs."""
+    """theta_{i,c(i)} <- theta_{i,c(i)} - lr * grad F_client(theta_{i,c(i)}, D_i), for `epochs` epochs.
+
+    counts [M]: each client's real samples, the first of its rows (None: every row): a client does its epochs over
+    its own samples, ceil(count / batch_size) steps an epoch, and never over padding."""
     if epochs <= 0:
         return
     chosen = gather_clusters(params, assigned)
-    orders = client_permutations(seeds, y.shape[1], epochs)
-    model.sgd(chosen, x, y, lr, orders, batch_size, momentum)
+    orders, keep = sample_orders(seeds, y.shape[1], epochs, counts)
+    model.sgd(chosen, x, y, lr, orders, batch_size, momentum, **keep)
     scatter_clusters(params, assigned, chosen)

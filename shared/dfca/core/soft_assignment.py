@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dfca.core.label_matching import min_cost_matching
-from dfca.core.params import gather_clusters, scatter_clusters
-from dfca.models.batched import BatchedModel, Params, client_permutations
+from dfca.models.batched import BatchedModel, Params
 
 EVAL_BLOCK = 64  # clients evaluated together
 
@@ -37,9 +36,13 @@ def datapoint_clusters(losses: Tensor) -> Tensor:
     return losses.argmin(dim=1)
 
 
-def mixture_shares(labels: Tensor, k: int) -> Tensor:
-    """u_is: the fraction of client i's samples labelled s. [M, n] -> [M, k] (rows sum to 1)."""
-    return torch.nn.functional.one_hot(labels, k).float().mean(1)
+def mixture_shares(labels: Tensor, k: int, mask: Tensor | None = None) -> Tensor:
+    """u_is: the fraction of client i's samples labelled s. [M, n] -> [M, k] (rows sum to 1); mask [M, n]: its
+    real samples (the shares are of those)."""
+    hot = torch.nn.functional.one_hot(labels, k).float()
+    if mask is None:
+        return hot.mean(1)
+    return (hot * mask.unsqueeze(2)).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
 
 
 def draw_clusters(shares: Tensor, seeds: Sequence[int]) -> Tensor:
@@ -70,27 +73,3 @@ def mixture_error(estimated: Tensor, truth: Tensor) -> float:
     cost = (estimated.unsqueeze(2) - truth.unsqueeze(1)).abs().mean(0)  # [k est, k true]
     rows, cols = min_cost_matching(cost.cpu().numpy())
     return float(cost[rows, cols].mean())
-
-
-def train_on_cluster_data(
-    model: BatchedModel,
-    params: Params,
-    selected: Tensor,
-    labels: Tensor,
-    x: Tensor,
-    y: Tensor,
-    *,
-    lr: float,
-    epochs: int,
-    batch_size: int,
-    seeds: Sequence[int],
-    momentum: float = 0.0,
-) -> Params:
-    """FedSPD local training: client i trains c_{i,s_i} for `epochs` epochs on D_{i,s_i} (its samples labelled
-    s_i), in place. Returns the trained models [M, ...] (what the client sends)."""
-    chosen = gather_clusters(params, selected)
-    if epochs > 0:
-        orders = client_permutations(seeds, y.shape[1], epochs)
-        model.sgd(chosen, x, y, lr, orders, batch_size, momentum, sample_mask=labels == selected.unsqueeze(1))
-        scatter_clusters(params, selected, chosen)
-    return chosen

@@ -23,13 +23,20 @@ Params = dict[str, Tensor]
 Batch = tuple[slice, "Tensor | None"]  # positions in an epoch's sample order; which hold kept samples
 
 
-def client_permutations(seeds: Sequence[int], n: int, epochs: int) -> Tensor:
-    """[B, epochs, n] per-client sample orders, each from the client's own seed (grouping-independent)."""
+def client_permutations(seeds: Sequence[int], n: int, epochs: int, counts: Sequence[int] | None = None) -> Tensor:
+    """[B, epochs, n] per-client sample orders, each from the client's own seed (grouping-independent).
+
+    counts: each client's real samples (the rest of its n rows is padding): its order is a permutation of its own
+    count, the padding after it, so a client's order depends on its own samples only, not on how wide it is padded.
+    """
     g = torch.Generator()
     rows = []
-    for seed in seeds:
+    for b, seed in enumerate(seeds):
         g.manual_seed(int(seed))
-        rows.extend(torch.randperm(n, generator=g) for _ in range(epochs))
+        own = n if counts is None else int(counts[b])
+        tail = torch.arange(own, n)
+        rows.extend(torch.cat([torch.randperm(own, generator=g), tail]) if own < n else torch.randperm(n, generator=g)
+                    for _ in range(epochs))
     if not rows:
         return torch.empty(len(seeds), epochs, n, dtype=torch.long)
     return torch.stack(rows).view(len(seeds), epochs, n)
