@@ -1,5 +1,6 @@
-"""Workers that hold their own data, on RabbitMQ: two workers started on different folders of one federation run an
-experiment over their clients (`data.source: workers`), each reading only its own folder; the refusals.
+"""Workers that hold their own data, on RabbitMQ: two workers started on different folders of one federation (clients
+of 20 to 400 samples) run an experiment over their clients (`data.source: workers`), each reading only its own folder;
+the refusals.
 
 One stack (`dfca up --workers 2 --data A --data B`, each worker audited: harness.audited_worker writes down every
 file it opens under the data root) serves the run and then a worker restarted on another folder; a second stack
@@ -35,16 +36,20 @@ def client_id(i: int) -> str:
 
 
 def federation() -> FederatedData:
-    """Rotated MNIST, k=2, 24 clients: the federation the folders are cut from."""
-    return build_federated_data(ExperimentConfig.model_validate(rotated_mnist()))
+    """Rotated MNIST, k=2, 24 clients of 400 train samples: the federation the folders are cut from."""
+    return build_federated_data(ExperimentConfig.model_validate(rotated_mnist(data={"train_per_client": 400})))
+
+
+SIZES = np.random.default_rng(0).permutation(np.linspace(20, 400, CLIENTS).astype(int))  # client i's train samples
 
 
 def write_folder(folder: Path, data: FederatedData, rows: list[int], clusters: bool = True) -> Path:
-    """A folder federation of `rows`: DIR/<client-id>/train.npz and test.npz, and clusters.json."""
+    """A folder federation of `rows`: DIR/<client-id>/train.npz (client i's first SIZES[i] samples) and test.npz,
+    and clusters.json."""
     for i in rows:
         client = folder / client_id(i)
         client.mkdir(parents=True)
-        train = int(data.train_sizes[i])
+        train = int(SIZES[i])
         test = int(data.test_sizes[i])
         np.savez(client / "train.npz", x=data.x_train[i, :train].numpy(), y=data.y_train[i, :train].numpy())
         np.savez(client / "test.npz", x=data.x_test[i, :test].numpy(), y=data.y_test[i, :test].numpy())
@@ -118,8 +123,8 @@ def test_two_workers_on_their_own_folders_recover_the_clusters_reading_only_thei
         read = {p.parent.name for p in paths if p.name == "train.npz"}
         assert read == {client_id(i) for i in rows}
         log = worker_log(stack, ordinal)
-        assert f"worker {ordinal} read data folder {mine}: {len(rows)} clients: {client_id(rows[0])} (80 train, " \
-               "25 test)" in log
+        assert f"worker {ordinal} read data folder {mine}: {len(rows)} clients: {client_id(rows[0])} " \
+               f"({SIZES[rows[0]]} train, 25 test)" in log
         assert "input shape (1, 28, 28), 10 classes; true clusters of" in log
     print(next(line for line in worker_log(stack, 0).splitlines() if "read data folder" in line))
 
