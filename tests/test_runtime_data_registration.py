@@ -10,7 +10,15 @@ import pytest
 from dfca.config import ExperimentConfig, parse_config
 from dfca.runtime.control.coordinator import ConfigRejected, Coordinator, InvalidTransition
 from dfca.runtime.protocol.holdings import ClientFacts, DataHoldings
-from dfca.runtime.protocol.messages import PresenceEvent, StartCommand, decode_control
+from dfca.runtime.protocol.messages import (
+    MessageInvalid,
+    PresenceEvent,
+    RoundReport,
+    StartCommand,
+    decode_control,
+    decode_event,
+    encode,
+)
 from dfca.transport import InMemoryBroker, InMemoryTransport
 
 DEPLOYMENT = "dsilo"
@@ -123,3 +131,16 @@ def test_starting_refuses_while_a_placed_worker_is_away_or_holds_other_clients(c
     assert "new 'elsewhere'" in reason and "missing 'centre'" in reason
     announce(coordinator, 1, B)  # back on its folder: accepted again
     assert coordinator.deployment_view()["data_refused"] == {}
+
+
+def test_round_reports_carry_unknown_true_clusters_but_no_unknown_assignment() -> None:
+    def report(assigned: int, truth: int) -> bytes:
+        return encode(RoundReport.model_construct(
+            deployment=DEPLOYMENT, experiment="e", worker=0, incarnation="i", round=1, clients=[0], complete=True,
+            seconds=0.1, evaluation={"clients": [0], "assigned": [assigned], "true_cluster": [truth],
+                                     "test_accuracy": [0.5], "train_loss": [1.0]},
+            stats={}, lag_seconds=0.0, bytes_published=0, dead_neighbours=[], at=1.0, kind="round"))
+
+    assert decode_event(report(0, -1)).evaluation["true_cluster"] == [-1]  # a client without clusters.json
+    with pytest.raises(MessageInvalid, match="evaluation.assigned"):
+        decode_event(report(-1, 0))
