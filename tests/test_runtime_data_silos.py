@@ -112,6 +112,8 @@ def test_two_workers_on_their_own_folders_recover_the_clusters_reading_only_thei
     assert summary["cluster_ari"] >= 0.95, summary
     assert summary["clients_total"] == CLIENTS and summary["failed_clients"] == []
     assert summary["clients"] == CLIENTS  # every client evaluated
+    print(f"ARI {summary['cluster_ari']:.3f}, accuracy {summary['test_accuracy']:.3f}, {summary['clients']} clients, "
+          f"train sizes {min(SIZES)}..{max(SIZES)}")
     clients = api.metrics.get(f"/experiments/{experiment}/clients").json()
     assert sorted(clients["clients"]) == list(range(CLIENTS))  # the run used every client
 
@@ -152,11 +154,19 @@ def test_a_worker_restarted_with_other_clients_is_refused(silos: tuple[Stack, Pa
         assert "holds other clients" in state["worker_states"]["1"]["detail"]
         created = api.topology.post("/experiments", json=silo_config())
         assert created.status_code == 422 and "worker 1 is refused" in created.text
+
+        worker.env["DFCA_DATA_DIR"] = str(folders / "b")  # restarted on its own folder: the same clients are fine
+        worker.process.kill()
+        state = api.wait_until(experiment, lambda s: s["worker_states"]["1"]["state"] == "running"
+                               and s["worker_states"]["1"]["incarnations"] >= 3, 180, "worker 1 back in the run")
+        assert state["worker_states"]["1"]["resumed_from"] is not None  # from its checkpoint
+        assert api.topology.get("/deployment").json()["data_refused"] == {}
+        before = state["worker_states"]["1"]["round"]
+        api.wait_until(experiment, lambda s: s["worker_states"]["1"]["round"] >= before + 2, 120,
+                       "worker 1 running rounds again")
     finally:
         api.topology.post(f"/experiments/{experiment}:stop")
         worker.env["DFCA_DATA_DIR"] = str(folders / "b")
-        if worker.process is not None:
-            worker.process.kill()
 
 
 def test_a_client_held_by_two_workers_is_refused(rabbitmq_url: str, tmp_path: Path) -> None:
