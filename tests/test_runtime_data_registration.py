@@ -3,6 +3,7 @@ announcements, experiments placed over the registered clients, and the refusals,
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -144,3 +145,16 @@ def test_round_reports_carry_unknown_true_clusters_but_no_unknown_assignment() -
     assert decode_event(report(0, -1)).evaluation["true_cluster"] == [-1]  # a client without clusters.json
     with pytest.raises(MessageInvalid, match="evaluation.assigned"):
         decode_event(report(-1, 0))
+
+
+def test_a_restarted_topology_service_keeps_the_placement(broker: InMemoryBroker, tmp_path: Path) -> None:
+    first = Coordinator(InMemoryTransport(broker), DEPLOYMENT, workers=None, state_dir=tmp_path)
+    first.open()
+    announce(first, 0, A)
+    announce(first, 1, B)
+    record = first.create(parsed(config()))
+    first.close()
+    again = Coordinator(InMemoryTransport(broker), DEPLOYMENT, workers=None, state_dir=tmp_path)
+    restored = again.get(record.id)
+    assert restored.placement == record.placement and restored.num_clients == 5
+    assert restored.topology()["worker_clients"] == record.topology()["worker_clients"]
