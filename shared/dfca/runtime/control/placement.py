@@ -20,7 +20,10 @@ class PlacementError(ValueError):
     """No placement can be made from the registered workers; the message names the workers and clients."""
 
 
-def _listed(names: list[str], most: int = 5) -> str:
+def listed(names: list[str], most: int = 5) -> str:
+    """Up to `most` names, quoted, and how many more ("none" for none)."""
+    if not names:
+        return "none"
     shown = ", ".join(repr(n) for n in names[:most])
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
@@ -35,13 +38,13 @@ def registration_refusal(ordinal: int, holdings: DataHoldings, registered: Mappi
     ids = holdings.ids
     twice = sorted({i for i in ids if ids.count(i) > 1})
     if twice:
-        return f"worker {ordinal} lists client {_listed(twice)} twice"
+        return f"worker {ordinal} lists client {listed(twice)} twice"
     for other, theirs in sorted(registered.items()):
         if other == ordinal:
             continue
         shared = sorted(set(ids) & set(theirs.ids))
         if shared:
-            return (f"worker {ordinal} ({holdings.folder}) holds client {_listed(shared)}, which worker {other} "
+            return (f"worker {ordinal} ({holdings.folder}) holds client {listed(shared)}, which worker {other} "
                     f"({theirs.folder}) holds too: a client's data lives on one worker")
     if ordinal in placed:
         experiment, placement = placed[ordinal]
@@ -49,8 +52,8 @@ def registration_refusal(ordinal: int, holdings: DataHoldings, registered: Mappi
         if sorted(ids) != expected:
             gained = sorted(set(ids) - set(expected))
             lost = sorted(set(expected) - set(ids))
-            change = "; ".join(part for part in (f"new {_listed(gained)}" if gained else "",
-                                                 f"missing {_listed(lost)}" if lost else "") if part)
+            change = "; ".join(part for part in (f"new {listed(gained)}" if gained else "",
+                                                 f"missing {listed(lost)}" if lost else "") if part)
             return (f"worker {ordinal} was restarted with other clients than experiment {experiment} placed on it "
                     f"({change}); start it on its earlier folder, or stop {experiment} first")
         misfit = fit_refusal(ordinal, holdings, placement.input_shape, placement.num_classes)

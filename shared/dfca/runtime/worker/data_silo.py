@@ -17,12 +17,14 @@ import torch
 
 from dfca.config import ExperimentConfig
 from dfca.data import FederatedData, FolderDataError, read_folder_federation
+from dfca.runtime.control.placement import listed
 from dfca.runtime.protocol.holdings import ClientFacts, DataHoldings, Placement
 
 log = logging.getLogger(__name__)
 
 REGISTRATION_SEED = 0  # the split a worker registers its counts with (test.npz missing: a seeded share held out)
 REGISTRATION_TEST_FRACTION = 0.2  # data.test_fraction's default
+LOGGED_CLIENTS = 50  # the start's log line names this many clients with their counts, then sums the rest up
 
 
 class SiloMismatch(ValueError):
@@ -36,10 +38,10 @@ class DataSilo:
         self.folder = folder.resolve()
         self.ordinal = ordinal
         if not self.folder.is_dir():
-            raise FolderDataError(f"worker {ordinal}: data folder {self.folder} does not exist")
-        self.data = read_folder_federation(self.folder, REGISTRATION_SEED, REGISTRATION_TEST_FRACTION)
-        self.ids = list(self.data.client_names) or [str(i) for i in range(self.data.num_clients)]
-        self._holdings = holdings_of(self.data, self.ids, str(self.folder))
+            raise FolderDataError.one(self.folder, None, f"worker {ordinal}'s data folder does not exist")
+        data = read_folder_federation(self.folder, REGISTRATION_SEED, REGISTRATION_TEST_FRACTION)
+        self.ids = list(data.client_names) or [str(i) for i in range(data.num_clients)]
+        self._holdings = holdings_of(data, self.ids, str(self.folder))  # the samples are read again per experiment
         log.info("%s", self.describe(), extra={"worker": ordinal})
 
     def holdings(self) -> DataHoldings:
@@ -48,7 +50,11 @@ class DataSilo:
     def describe(self) -> str:
         """What the worker read, for its log: the folder, each client's sample counts, the shape and classes."""
         h = self._holdings
-        counts = ", ".join(f"{c.id} ({c.train} train, {c.test} test)" for c in h.clients)
+        counts = ", ".join(f"{c.id} ({c.train} train, {c.test} test)" for c in h.clients[:LOGGED_CLIENTS])
+        if len(h.clients) > LOGGED_CLIENTS:
+            train = sorted(c.train for c in h.clients)
+            counts += (f" and {len(h.clients) - LOGGED_CLIENTS} more (train samples min {train[0]}, median "
+                       f"{train[len(train) // 2]}, max {train[-1]})")
         known = sum(c.cluster is not None for c in h.clients)
         clusters = f"true clusters of {known} of {len(h.clients)} clients from clusters.json" if known else \
             "no true clusters (no clusters.json)"
@@ -62,7 +68,7 @@ class DataSilo:
         if sorted(placed) != sorted(self.ids):
             gained, lost = sorted(set(self.ids) - set(placed)), sorted(set(placed) - set(self.ids))
             raise SiloMismatch(f"worker {self.ordinal} holds other clients ({self.folder}) than the experiment "
-                               f"placed on it: not placed here {gained}, not in this folder {lost}")
+                               f"placed on it: not placed here {listed(gained)}; not in this folder {listed(lost)}")
         data = read_folder_federation(self.folder, cfg.seed, cfg.data.test_fraction, clients=placed,
                                       classes=placement.num_classes)
         log.info("worker %d hosts clients %s as %s", self.ordinal, placed, placement.clients_of(self.ordinal))
@@ -83,7 +89,6 @@ def holdings_of(data: FederatedData, ids: list[str], folder: str) -> DataHolding
 def read_silo(folder: str | None, ordinal: int) -> DataSilo | None:
     """The worker's data folder, read (None when it was started without one)."""
     return None if not folder else DataSilo(Path(folder), ordinal)
-
 
 
 def empty_data(placement: Placement) -> FederatedData:
