@@ -33,7 +33,7 @@ def folder_data(cfg: ExperimentConfig) -> FederatedData | None:
     try:
         return build_federated_data(cfg)
     except (FolderDataError, ValueError) as err:
-        console.print(f"[bold red]invalid data:[/] {err}", highlight=False)
+        console.print(f"[bold red]invalid data:[/] {err}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from err
 
 
@@ -45,29 +45,40 @@ def export(
 ) -> None:
     """Write the config's federation as a folder federation: OUT_DIR/client-000/train.npz and test.npz per client,
     clusters.json, and experiment.yaml (the same experiment reading the folder)."""
+    import yaml
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from dfca.cli.main import _load
+    from dfca.config import ConfigError, parse_config, with_folder_clients
     from dfca.data import build_federated_data
-    from dfca.data.folder_export import write_folder_federation
+    from dfca.data.folder_export import check_out_folder, write_folder_federation
 
     cfg = _load(config, sets)
     if cfg.data.source != "builtin":
         console.print(f"[bold red]invalid config:[/] data.source: export writes a built-in federation; this one is "
                       f"{cfg.data.source} already")
         raise typer.Exit(2)
+    try:
+        check_out_folder(out_dir)
+    except FileExistsError as err:
+        console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from err
     data = build_federated_data(cfg)
     with Progress(TextColumn("writing clients"), BarColumn(), MofNCompleteColumn(), console=console) as progress:
         bar = progress.add_task("clients", total=data.num_clients)
-        try:
-            names = write_folder_federation(data, out_dir, lambda done: progress.update(bar, completed=done))
-        except FileExistsError as err:
-            console.print(f"[bold red]error:[/] {err}")
-            raise typer.Exit(2) from err
-    (out_dir / EXPERIMENT_FILE).write_text(experiment_yaml(cfg, out_dir, data.num_classes))
-    console.print(f"wrote {len(names)} clients ({names[0]} .. {names[-1]}), "
-                  f"{'clusters.json, ' if data.has_true_clusters else ''}{EXPERIMENT_FILE} to {out_dir}/; "
-                  f"run them with: dfca run {out_dir / EXPERIMENT_FILE}", highlight=False)
+        names = write_folder_federation(data, out_dir, lambda done: progress.update(bar, completed=done))
+    clusters = ", clusters.json" if data.has_true_clusters else ""
+    wrote = f"wrote {len(names)} clients ({names[0]} .. {names[-1]}){clusters}"
+    experiment = experiment_yaml(cfg, out_dir, data.num_classes)
+    try:
+        parse_config(with_folder_clients(yaml.safe_load(experiment)))
+    except ConfigError as err:  # an algorithm that needs its built-in split (FedCRef's categories)
+        console.print(f"{wrote} to {out_dir}/; no {EXPERIMENT_FILE}: {cfg.algorithm} does not run from a folder "
+                      f"({err})", highlight=False, soft_wrap=True)
+        return
+    (out_dir / EXPERIMENT_FILE).write_text(experiment)
+    console.print(f"{wrote} and {EXPERIMENT_FILE} to {out_dir}/; run them with: dfca run {out_dir / EXPERIMENT_FILE}",
+                  highlight=False, soft_wrap=True)
 
 
 def experiment_yaml(cfg: ExperimentConfig, out_dir: Path, classes: int) -> str:

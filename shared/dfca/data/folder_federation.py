@@ -142,7 +142,8 @@ def read_contents(
     found.problems += checks.check_label_range(
         {c.name: (c.test_file, c.y_test) for c in found.clients if c.test_file is not None}, found.num_classes)
     found.true_cluster, problems = read_clusters(root, known, chosen)
-    found.problems += problems
+    order = {c: i for i, c in enumerate(chosen)}
+    found.problems = sorted(found.problems + problems, key=lambda p: order.get(p.client, -1) if p.client else -1)
     return found
 
 
