@@ -19,6 +19,7 @@ from dfca.runtime.driver.driver_stats import PHASES
 from dfca.simulator import Simulation, prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport, RabbitMQTransport
 from harness.lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
+from harness.ragged import cut, spread_sizes
 
 W0 = "worker-0"  # the host word of every client when one worker hosts them all
 
@@ -85,6 +86,27 @@ def test_every_algorithm_the_schema_accepts_runs_the_same_on_both_drivers(algori
     ctx = prepare(cfg)
     sim = simulate(cfg, data=ctx.data)
     run = run_lockstep(cfg, ctx.data, neighbours(ctx.graph), transport_factory(), 3, device=device)
+    for d in run.drivers:
+        assert not d.stats.rejected and d.stats.timeouts == 0 and d.rounds_done == schedule_of(cfg).total_rounds
+        for name, tensor in d.algorithm.state().items():
+            if name.startswith("params."):
+                torch.testing.assert_close(tensor, sim.algorithm.state()[name][d.ids], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algorithm", SCHEMA_ALGORITHMS)
+def test_every_algorithm_runs_clients_of_unequal_size_the_same_on_both_drivers(algorithm: str, device: str) -> None:
+    """Clients of unequal size (a quarter to all of the config's samples, one client far larger so that the
+    federation is bucketed by size): the message drivers, each host with its own part, end where the simulator ends."""
+    cfg = config_for(algorithm).model_copy(update={"device": device})
+    data = prepare(cfg).data.to("cpu")
+    valid = (data.y_train >= 0).sum(1).tolist()  # FedCRef's clients hold their categories' samples, then -1
+    sizes = [max(4, n // 4 + (n * i) // (3 * data.num_clients)) for i, n in enumerate(valid)]
+    sizes[1] = valid[1]
+    ragged = cut(data, sizes, spread_sizes(data.y_test.shape[1], data.num_clients, 3))
+    assert ragged.is_ragged and ragged.is_bucketed
+    sim = simulate(cfg, data=ragged)
+    run = run_lockstep(cfg, ragged, neighbours(prepare(cfg, ragged).graph), transport_factory(), 3, device=device)
     for d in run.drivers:
         assert not d.stats.rejected and d.stats.timeouts == 0 and d.rounds_done == schedule_of(cfg).total_rounds
         for name, tensor in d.algorithm.state().items():

@@ -294,9 +294,18 @@ def simulate(
     summary.update(sim.run_metrics(final))
     summary["refused"] = dict(sim.algorithm.refused)  # arrivals the algorithm would not use, by reason
     summary["screened"] = sim.algorithm.screened  # gossip (arrival, cluster) pairs dropped by screening
+    summary.update(size_fields(sim.ctx.data))
     summary.update(last_rounds_means(history))
     models = (sim.server or sim.algorithm).final_models()
     return RunResult(history, summary, models, final.assigned.cpu(), sim.ctx.graph, sim, watch.warnings)
+
+
+def size_fields(data: FederatedData) -> dict[str, Any]:
+    """The clients' sizes as a summary reports them: train samples (min, median, max), the padding overhead (rows
+    stored per real row, 1.0 where all clients are equal) and the size buckets (0: one padded set)."""
+    sizes = data.train_sizes.float()
+    return {"samples_per_client": [int(sizes.min()), float(sizes.median()), int(sizes.max())],
+            "padding_overhead": data.padding_overhead, "size_buckets": len(data.buckets)}
 
 
 def last_rounds_means(history: list[dict[str, Any]], rounds: int = 3) -> dict[str, float]:

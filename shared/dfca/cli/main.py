@@ -108,6 +108,8 @@ def results_table(summary: dict[str, Any]) -> Table:
     if summary.get("seeding_rounds") and "rounds" in keys:  # training rounds, then the seeding rounds before them
         at = keys.index("rounds") + 1
         keys = (*keys[:at], "seeding_rounds", *keys[at:])
+    if summary.get("padding_overhead", 1.0) > 1.0:  # clients of unequal size: rows stored per real row
+        keys = (*keys, "samples_per_client", "padding_overhead")
     for key in (k for k in keys if k in summary):  # ARI only where the true clusters are known
         value = summary[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
