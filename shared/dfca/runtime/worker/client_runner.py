@@ -393,9 +393,10 @@ class ClientRunner:
         self.emit(self.worker_event(state, detail))
 
     def worker_event(self, state: WorkerState | None = None, detail: str = "") -> WorkerEvent:
-        """This runner's state as an event; with no `state`, the heartbeat."""
+        """This runner's state as an event; with no `state`, the heartbeat (which repeats the last state's detail)."""
         return WorkerEvent(
             deployment=self.spec.deployment, experiment=self.spec.experiment, worker=self.spec.ordinal,
             incarnation=self.incarnation, state=state or self.status.state, round=self.status.rounds_done,
-            clients=self.spec.clients, resumed_from=self.status.resumed_from, detail=detail, device=self._placed_on,
+            clients=self.spec.clients, resumed_from=self.status.resumed_from, detail=detail or self.status.detail,
+            device=self._placed_on,
         )
