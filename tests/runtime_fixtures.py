@@ -59,6 +59,12 @@ def log_tails(state_dir: Path, lines: int = 15) -> str:
     return "\n".join(out)
 
 
+def audited_worker(root: Path, log: Path) -> list[str]:
+    """A worker that writes down each file it opens under `root` (harness.audited_worker), to `log` with `{ordinal}`
+    replaced by its ordinal."""
+    return [sys.executable, str(Path(__file__).resolve().parent / "harness" / "audited_worker.py"), str(root), str(log)]
+
+
 def forging_worker(attack: str) -> list[str]:
     """The program that runs a compromised worker: the product's worker, its clients' messages forged."""
     return [sys.executable, str(Path(__file__).resolve().parent / "harness" / "forging_worker.py"), attack]
@@ -67,19 +73,24 @@ def forging_worker(attack: str) -> list[str]:
 @contextmanager
 def running_stack(state_dir: Path, broker_url: str, workers: int = 3, aggregator: bool = False,
                   broker_users: dict[str, str] | None = None, read_token: str = "",
-                  forge: dict[int, str] | None = None, model_factories: str = "") -> Iterator[Stack]:
+                  forge: dict[int, str] | None = None, model_factories: str = "",
+                  data_dirs: list[Path] | None = None, worker_programs: dict[int, list[str]] | None = None,
+                  ready: list[str] | None = None) -> Iterator[Stack]:
     """A supervised stack (same code as `dfca up`, with `--aggregator` if asked) on free ports, stopped on exit;
     `broker_users`: each process connects as its own principal (`dfca up --broker-users`); `read_token`:
     DFCA_READ_TOKEN; `forge`: worker ordinal -> what it forges (harness.forging_worker); `model_factories`:
-    DFCA_MODEL_FACTORIES (the model factories its services may import)."""
+    DFCA_MODEL_FACTORIES (the model factories its services may import); `data_dirs`: worker i's own data folder
+    (`dfca up --data`); `worker_programs`: worker ordinal -> the program that runs it (harness.audited_worker);
+    `ready`: the services waited for (default: all)."""
     options = StackOptions(
         workers=workers, broker_url=broker_url, topology_port=free_port(), metrics_port=free_port(),
         aggregator_port=free_port() if aggregator else None, worker_port_base=free_port_block(workers),
         api_token=TOKEN, read_token=read_token, state_dir=state_dir, log_to_files=True, broker_users=broker_users,
-        worker_programs={w: forging_worker(attack) for w, attack in (forge or {}).items()},
-        model_factories=model_factories,
+        worker_programs={**(worker_programs or {}),
+                         **{w: forging_worker(attack) for w, attack in (forge or {}).items()}},
+        model_factories=model_factories, data_dirs=[str(d) for d in data_dirs or []],
     )
-    with supervised(options) as stack:
+    with supervised(options, ready) as stack:
         yield stack
 
 
@@ -101,14 +112,15 @@ def default_stack(state_dir: Path, broker_url: str, rabbitmqctl: str, workers: i
 
 
 @contextmanager
-def supervised(options: StackOptions) -> Iterator[Stack]:
-    """The stack of `options`, started, ready and supervised; stopped and its service queues deleted on exit."""
+def supervised(options: StackOptions, ready: list[str] | None = None) -> Iterator[Stack]:
+    """The stack of `options`, started, ready (the services in `ready`, default all) and supervised; stopped and its
+    service queues deleted on exit."""
     state_dir = options.state_dir
     stack = Stack(options)
     stop = threading.Event()
     stack.start()
     try:
-        stack.wait_ready(timeout=120)
+        stack.wait_ready(timeout=120, names=ready)
         stack.supervise(stop)
         yield stack
     except BaseException:

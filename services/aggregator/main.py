@@ -93,7 +93,7 @@ class Aggregator:
                 for spec in running_specs(self.topology_url, self.deployment, 0, algorithms=central_roles()):
                     self.handle(StartCommand(deployment=self.deployment, experiment=spec.experiment,
                                              config=spec.config, workers=spec.workers, neighbours=spec.neighbours,
-                                             topology_version=spec.topology_version))
+                                             topology_version=spec.topology_version, placement=spec.placement))
                 return
             except (httpx.HTTPError, ValueError, KeyError) as err:
                 log.info("topology service not reachable yet (%s); retrying", err)

@@ -1,4 +1,5 @@
-"""The worker service: hosts clients c with c % DFCA_WORKERS == DFCA_WORKER_ORDINAL of every experiment.
+"""The worker service: hosts clients c with c % DFCA_WORKERS == DFCA_WORKER_ORDINAL of every experiment, and, started
+on a data folder (DFCA_DATA_DIR), exactly that folder's clients in the experiments over the workers' data.
 
 Health on DFCA_PORT (default 8082): /livez, /readyz (broker reachable, running experiments rejoined, and the
 topology service knows this worker: dfca.runtime.service.registration),
@@ -18,6 +19,7 @@ from dfca.identity.topics import deployment_tag
 from dfca.runtime.service.broker_identity import warn_if_shared_user
 from dfca.runtime.service.http_service import add_health_routes, serve
 from dfca.runtime.service.structured_logs import configure_logging
+from dfca.runtime.worker.data_silo import FolderDataError, read_silo
 from dfca.runtime.worker.worker_agent import WorkerAgent
 from dfca.settings import ServiceSettings
 from dfca.transport import Transport, connect_transport
@@ -35,7 +37,9 @@ def create_app(agent: WorkerAgent, broker_url: str) -> FastAPI:
             runners = dict(agent.runners)
         return {"worker": agent.ordinal, "workers": agent.workers, "experiments": {
             e: {"state": r.status.state, "rounds_done": r.status.rounds_done, "resumed_from": r.status.resumed_from,
-                "clients": r.spec.clients, "device": str(r.device)} for e, r in runners.items()}}
+                "clients": r.spec.clients, "device": str(r.device)} for e, r in runners.items()},
+            "data": None if agent.silo is None else agent.silo.holdings().model_dump(mode="json"),
+            "data_refused": agent.refusal}
 
     return app
 
@@ -58,8 +62,13 @@ def main() -> None:
         log.info("worker %d computes on %s (DFCA_DEVICE=%s)", ordinal, device_name(device), settings.device)
     else:
         log.info("worker %d computes where each experiment's config says (DFCA_DEVICE unset)", ordinal)
+    try:
+        silo = read_silo(settings.data_dir, ordinal)
+    except FolderDataError as err:
+        log.error("worker %d cannot use its data folder %s: %s", ordinal, settings.data_dir, err)
+        raise SystemExit(2) from err
     agent = WorkerAgent(deployment_tag(settings.topology_url), ordinal, settings.workers, connect,
-                        Path(settings.checkpoint_dir), settings.topology_url, settings.data_root, settings.device)
+                        Path(settings.checkpoint_dir), settings.topology_url, settings.data_root, settings.device, silo)
     agent.start()
     log.info("worker %d of %d up", ordinal, settings.workers)
     try:

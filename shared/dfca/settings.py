@@ -65,6 +65,7 @@ class ServiceSettings:
     workers: int
     checkpoint_dir: str
     data_root: str | None
+    data_dir: str | None
     device: str | None
     log_level: str
 
@@ -83,6 +84,7 @@ class ServiceSettings:
             workers=int(env("DFCA_WORKERS", "1") or 1),
             checkpoint_dir=env("DFCA_CHECKPOINT_DIR", "checkpoints") or "checkpoints",
             data_root=env("DFCA_DATA_ROOT"),
+            data_dir=env("DFCA_DATA_DIR") or None,
             device=env("DFCA_DEVICE") or None,
             log_level=env("DFCA_LOG_LEVEL", "INFO") or "INFO",
         )

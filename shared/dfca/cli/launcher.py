@@ -59,6 +59,7 @@ class StackOptions:
     state_dir: Path = Path(".dfca")  # checkpoints/, metrics.db, logs/ (with log_to_files)
     metrics_db_url: str | None = None
     data_root: str | None = None
+    data_dirs: list[str] = field(default_factory=list)  # worker i's own data folder (DFCA_DATA_DIR); empty: none
     log_level: str = "INFO"
     log_to_files: bool = True  # each service's log in state_dir/logs/<name>.log; False: this process's stderr
     restart: bool = True
@@ -137,6 +138,8 @@ def service_env(options: StackOptions, service: str, port: int, ordinal: int | N
         env["DFCA_API_TOKEN"] = options.api_token
     if ordinal is not None:
         env["DFCA_WORKER_ORDINAL"] = str(ordinal)
+        if ordinal < len(options.data_dirs):
+            env["DFCA_DATA_DIR"] = str(Path(options.data_dirs[ordinal]).resolve())
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // options.workers))
     return env
 

@@ -211,8 +211,15 @@ def _service(name: str) -> None:
 
 
 @app.command()
-def worker() -> None:
+def worker(
+    data: Path = typer.Option(None, "--data", help="this worker's own data folder (default DFCA_DATA_DIR): it hosts "
+                              "exactly its clients in experiments with data.source: workers"),
+) -> None:
     """Run a client worker (hosts 1..M clients; reads DFCA_* env vars)."""
+    import os
+
+    if data is not None:
+        os.environ["DFCA_DATA_DIR"] = str(data.resolve())
     _service("worker")
 
 
@@ -257,6 +264,8 @@ def up(
         False, "--insecure-shared-broker-user", help="every process connects as --broker's user, with no broker "
         "users of their own: any worker's credentials can then forge control commands and other workers' models "
         "(local development only; every service warns)"),
+    data: list[Path] = typer.Option([], "--data", help="worker i's own data folder, once per worker in order "
+                                    "(DFCA_DATA_DIR): for experiments with data.source: workers"),
 ) -> None:
     """Run the whole stack locally (topology, metrics, N workers) as OS processes; Ctrl-C or `dfca down` stops it.
 
@@ -281,7 +290,11 @@ def up(
         model_factories=os.environ.get("DFCA_MODEL_FACTORIES", ""),
         shared_broker_user=insecure_shared_broker_user,
         rabbitmqctl=rabbitmqctl or ("rabbitmqctl" if os.geteuid() == 0 else "sudo -n rabbitmqctl"),
+        data_dirs=[str(d.resolve()) for d in data],
     )
+    if data and len(data) != workers:
+        typer.echo(f"dfca up: --data names {len(data)} folders for {workers} workers: give each worker one", err=True)
+        raise typer.Exit(2)
     users_file = broker_users or (Path(os.environ["DFCA_BROKER_USERS"]) if os.environ.get("DFCA_BROKER_USERS")
                                   else None)
     if users_file is not None and insecure_shared_broker_user:

@@ -82,8 +82,8 @@ class ServerRole:
     def run(self, stop: threading.Event) -> None:
         """Serve every round; return early when `stop` is set or the experiment is over."""
         cfg = self.config
-        data = build_federated_data(cfg)  # for the model's shapes; the server holds no client data
-        model = model_from_config(cfg.model, data.input_shape, data.num_classes, self.device, allowed_factories())
+        shape, classes = model_shape(self.command)
+        model = model_from_config(cfg.model, shape, classes, self.device, allowed_factories())
         server = server_of(HostContext(cfg, model, None, [SERVER], dict(self.command.neighbours), self.device))
         assert server is not None, f"{cfg.algorithm} has no central role"
         next_check = time.monotonic() + OVER_CHECK_S
@@ -98,7 +98,9 @@ class ServerRole:
             return True
 
         transport = HostTransport(self.transport)  # acks wait for the round's checkpoint
-        driver = MessageDriver(server, self.experiment, transport, keep_going, workers=self.command.workers)
+        placement = self.command.placement
+        driver = MessageDriver(server, self.experiment, transport, keep_going, workers=self.command.workers,
+                               hosts=None if placement is None else placement.hosts)
         self.driver = driver
         finished = False
         try:
@@ -131,3 +133,12 @@ class ServerRole:
         if self.checkpoint is not None:
             self.checkpoint.unlink(missing_ok=True)
 
+
+
+def model_shape(command: StartCommand) -> tuple[tuple[int, ...], int]:
+    """The input shape and classes of the experiment's model: what the workers holding the data registered, or, for a
+    built-in dataset, what the config's data has (built for its shapes; the server holds no client data)."""
+    if command.placement is not None:
+        return tuple(command.placement.input_shape), command.placement.num_classes
+    data = build_federated_data(command.config)
+    return data.input_shape, data.num_classes

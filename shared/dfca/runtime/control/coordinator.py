@@ -27,10 +27,14 @@ from dfca.config import ExperimentConfig
 from dfca.graph import REQUEST_BUDGET_S, build_graph
 from dfca.identity import topics
 from dfca.identity.broker_setup import bind_to_deployment, ensure_broker_topology
-from dfca.identity.principals import host_of, worker
+from dfca.identity.principals import worker
 from dfca.identity.topics import events_queue, worker_control_queue
+from dfca.models.build import model_from_config
 from dfca.models.factory import ModelFactoryError, allowed_factories, check_config_model
 from dfca.runtime.control.experiments import DONE_STATES, HEARTBEAT_S, RUNTIME_ALGORITHMS, ExperimentRecord
+from dfca.runtime.control.placement import PlacementError, data_on_workers, placed_config
+from dfca.runtime.control.registry import DataRegistry
+from dfca.runtime.protocol.holdings import Placement
 from dfca.runtime.protocol.messages import (
     ExperimentEvent,
     FinalModelsShare,
@@ -76,12 +80,13 @@ def experiment_id(cfg: ExperimentConfig) -> str:
     return topics.experiment_id(cfg.name, uuid.uuid4().hex[:topics.EXPERIMENT_SUFFIX])
 
 
-def heard_by_host(neighbours: Mapping[int, Iterable[int]], workers: int) -> dict[str, set[int]]:
-    """Per worker (its principal), the clients hosted elsewhere that one of its clients neighbours in `neighbours`."""
+def heard_by_host(neighbours: Mapping[int, Iterable[int]], host_of: Callable[[int], int]) -> dict[str, set[int]]:
+    """Per worker (its principal), the clients hosted elsewhere that one of its clients neighbours in `neighbours`;
+    `host_of(client)` is the ordinal of the worker hosting it."""
     heard: dict[str, set[int]] = {}
     for client, ms in neighbours.items():
-        host = host_of(client, workers)
-        heard.setdefault(host, set()).update(m for m in ms if host_of(m, workers) != host)
+        host = host_of(client)
+        heard.setdefault(worker(host), set()).update(m for m in ms if host_of(m) != host)
     return heard
 
 
@@ -102,6 +107,7 @@ class Coordinator:
         self.state_dir = None if state_dir is None else require_writable(state_dir, "DFCA_CHECKPOINT_DIR")
         self.clock = clock
         self.records: dict[str, ExperimentRecord] = {}
+        self.data = DataRegistry()  # what the workers holding data registered, and whom it refused
         self.lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -144,20 +150,47 @@ class Coordinator:
         if cfg.algorithm not in RUNTIME_ALGORITHMS:
             raise ConfigRejected("algorithm", f"algorithm: the runtime runs {sorted(RUNTIME_ALGORITHMS)}, "
                                               f"not {cfg.algorithm!r} (use `dfca run` for it)")
+        placement = None
+        if data_on_workers(cfg):  # the model is checked against the data the workers registered
+            placement = self._placement(cfg)
+            cfg = placed_config(cfg, placement)
         try:
-            check_config_model(cfg, allowed_factories())  # the operator's allow-list: REST carries names, not code
+            if placement is None:
+                check_config_model(cfg, allowed_factories())  # the operator's allow-list: REST carries names, not code
         except ModelFactoryError as err:
             raise ConfigRejected(err.field, str(err)) from err
         try:
             graph = build_graph(cfg.topology, cfg.data.clients, cfg.seed, budget_s=REQUEST_BUDGET_S)
         except ValueError as err:
             raise ConfigRejected("topology", str(err)) from err
-        record = ExperimentRecord.new(experiment_id(cfg), cfg, graph, self.worker_count(cfg))
+        record = ExperimentRecord.new(experiment_id(cfg), cfg, graph, self.worker_count(cfg), placement)
         with self.lock:
             self.records[record.id] = record
             self._changed(record)
         log.info("experiment %s created", record.id, extra={"experiment": record.id})
         return record
+
+    def _placement(self, cfg: ExperimentConfig) -> Placement:
+        """`data.source: workers`: the registered workers' clients, placed, for a model that fits them (else
+        ConfigRejected naming the worker)."""
+        with self.lock:
+            try:
+                placement = self.data.placement_for(self._recent_presence(), cfg.data.classes)
+            except PlacementError as err:
+                raise ConfigRejected("data.source", str(err)) from err
+        if placement.num_clients < max(2, cfg.clusters):
+            raise ConfigRejected("data.source", f"the registered workers hold {placement.num_clients} clients "
+                                 f"({placement.client_ids}); the experiment needs at least {max(2, cfg.clusters)}")
+        shape = tuple(placement.input_shape)
+        try:
+            if cfg.model.kind == "cnn" and len(shape) != 3:
+                raise ValueError("model.kind: cnn needs images (channels, height, width)")
+            model_from_config(cfg.model, shape, placement.num_classes, "cpu", allowed_factories())
+        except (ValueError, RuntimeError, TypeError, IndexError, ModelFactoryError) as err:
+            raise ConfigRejected("model", f"the model does not fit the workers' data (samples of shape "
+                                 f"{tuple(placement.input_shape)}, {placement.num_classes} classes, from workers "
+                                 f"{placement.workers}): {err}") from err
+        return placement
 
     def worker_count(self, cfg: ExperimentConfig) -> int:
         if self.workers is not None:
@@ -183,7 +216,8 @@ class Coordinator:
         (DFCA_WORKERS, or null where they are learnt from presence), the ordinals heard from within PRESENT_FOR_S,
         and whether an aggregator is. A worker or the aggregator is ready only once it is known here."""
         return {"deployment": self.deployment, "workers": self.present_workers(),
-                "workers_present": sorted(self._recent_presence()), "aggregator": self.aggregator_present()}
+                "workers_present": sorted(self._recent_presence()), "aggregator": self.aggregator_present(),
+                **self.data.view()}
 
     def check_can_run(self, cfg: ExperimentConfig) -> None:
         """Refuse (409) what cannot run here: a central-role algorithm with no aggregator, or a config that asks
@@ -217,6 +251,12 @@ class Coordinator:
                 raise InvalidTransition(f"experiment {experiment} is {record.status}; only a created one starts")
             self.check_can_run(record.config)
             record.workers = self.worker_count(record.config)
+            if record.placement is not None:
+                try:
+                    self.data.check_placement_holds(record.id, record.placement, self._recent_presence(),
+                                                    record.workers)
+                except PlacementError as err:
+                    raise InvalidTransition(str(err)) from err
             record.start(self.clock())
             if has_central_role(record.config.algorithm):
                 self._declare_server_queue(record)
@@ -224,7 +264,7 @@ class Coordinator:
             self._declare_worker_queues(record)
             self._control(StartCommand(deployment=self.deployment, experiment=record.id, config=record.config,
                                        workers=record.workers, neighbours=record.neighbours(),
-                                       topology_version=record.topology_version))
+                                       topology_version=record.topology_version, placement=record.placement))
             self._changed(record)
         log.info("experiment %s started on %d workers", record.id, record.workers, extra={"experiment": record.id})
         return record
@@ -296,7 +336,7 @@ class Coordinator:
         """Each worker's queue of models, declared and bound to whom its clients hear (topics.inbox_binding_keys)
         before any worker is told to start: under per-principal users a worker may only consume it."""
         links = algorithm_class(record.config.algorithm).links
-        heard = heard_by_host(record.neighbours(), record.workers) if "neighbours" in links else {}
+        heard = heard_by_host(record.neighbours(), record.host) if "neighbours" in links else {}
         for ordinal in range(record.workers):
             queue = topics.worker_queue(record.id, worker(ordinal))
             self.transport.declare_queue(queue, topics.DEAD_LETTER_EXCHANGE, topics.MODEL_QUEUE_LIMITS)
@@ -309,7 +349,7 @@ class Coordinator:
         switches to the new graph, so that nothing a new neighbour sends from the effective round on is lost (a
         worker delivers its own clients' messages itself). A removed edge's binding stays (what it delivers is
         acknowledged unused) where the worker may not unbind it; a worker whose user may unbinds it itself."""
-        heard = heard_by_host({c: set(ms) - set(before[c]) for c, ms in after.items()}, record.workers)
+        heard = heard_by_host({c: set(ms) - set(before[c]) for c, ms in after.items()}, record.host)
         for host, new in heard.items():
             queue = topics.worker_queue(record.id, host)
             if new:
@@ -331,6 +371,8 @@ class Coordinator:
                 self.aggregator_seen = self.clock()
             else:
                 self.presence[event.worker] = (event.workers, self.clock())
+                with self.lock:
+                    self.data.register(event.worker, event.holdings, self._placed(), self._recent_presence())
                 if event.worker < event.workers:
                     try:
                         self._declare_control_queues([event.worker])
@@ -346,6 +388,11 @@ class Coordinator:
             record.observe(event, self.clock())
             if record.worker_views[event.worker].state in DONE_STATES and before not in DONE_STATES:
                 self._changed(record, announce=False)  # saved: a restarted service must know it is done
+
+    def _placed(self) -> dict[int, tuple[str, Placement]]:
+        """Per worker ordinal, an experiment not yet over that placed clients on it, and its placement."""
+        return {o: (r.id, r.placement) for r in self.records.values() if r.placement is not None and not r.terminal
+                for o in r.placement.workers}
 
     def tick(self) -> None:
         now = self.clock()

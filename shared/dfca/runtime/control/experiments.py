@@ -25,6 +25,7 @@ import networkx as nx
 from dfca.algorithms import schedule_of
 from dfca.config import ALGORITHMS, ExperimentConfig
 from dfca.identity.sharding import assignment
+from dfca.runtime.protocol.holdings import Placement
 from dfca.runtime.protocol.messages import TERMINAL_STATUSES, ExperimentStatus, RoundReport, WorkerEvent
 
 BARRIER_TIMEOUT_S = 120.0
@@ -98,11 +99,13 @@ class ExperimentRecord:
     failed_clients: list[int] = field(default_factory=list)
     worker_views: dict[int, WorkerView] = field(default_factory=dict)
     saved_round: int = 0  # `round` when the record was last saved: what a restarted service shows for a finished run
+    placement: Placement | None = None  # `data.source: workers`: which registered worker holds which client
 
     @classmethod
-    def new(cls, experiment: str, cfg: ExperimentConfig, graph: nx.Graph, workers: int) -> ExperimentRecord:
+    def new(cls, experiment: str, cfg: ExperimentConfig, graph: nx.Graph, workers: int,
+            placement: Placement | None = None) -> ExperimentRecord:
         edges = sorted((min(int(u), int(v)), max(int(u), int(v))) for u, v in graph.edges() if u != v)
-        return cls(experiment, cfg, workers, edges)
+        return cls(experiment, cfg, workers, edges, placement=placement)
 
     # -- views ------------------------------------------------------------------------------------------
     @property
@@ -117,7 +120,13 @@ class ExperimentRecord:
         return {c: sorted(m) for c, m in out.items()}
 
     def assignment(self) -> dict[int, list[int]]:
+        if self.placement is not None:
+            return {w: self.placement.clients_of(w) for w in range(self.workers)}
         return assignment(self.num_clients, self.workers)
+
+    def host(self, client: int) -> int:
+        """The ordinal of the worker hosting `client`."""
+        return self.placement.hosts[client] if self.placement is not None else client % self.workers
 
     def hosting_workers(self) -> list[int]:
         return [w for w, clients in self.assignment().items() if clients]
@@ -151,6 +160,7 @@ class ExperimentRecord:
             "clients": self.num_clients, "workers": self.workers, "edges": [list(e) for e in self.edges],
             "neighbours": {str(c): m for c, m in self.neighbours().items()},
             "worker_clients": {str(w): c for w, c in self.assignment().items()},
+            "placement": None if self.placement is None else self.placement.model_dump(mode="json"),
         }
 
     # -- transitions ------------------------------------------------------------------------------------
@@ -263,6 +273,7 @@ class ExperimentRecord:
             "effective_round": self.effective_round, "go": self.go, "created_at": self.created_at,
             "started_at": self.started_at, "finished_at": self.finished_at, "failed_clients": self.failed_clients,
             "round": self.round,
+            "placement": None if self.placement is None else self.placement.model_dump(mode="json"),
             # a worker done with the run never speaks again: a restarted topology service must not presume it dead
             "done_workers": {str(w): v.state for w, v in self.worker_views.items() if v.state in DONE_STATES},
         }
@@ -276,6 +287,7 @@ class ExperimentRecord:
             go=bool(data["go"]), created_at=float(data["created_at"]), started_at=data["started_at"],
             finished_at=data["finished_at"], failed_clients=list(data["failed_clients"]),
             saved_round=int(data.get("round", 0)),
+            placement=None if data.get("placement") is None else Placement.model_validate(data["placement"]),
         )
         now = time.time()  # a restarted topology service gives every worker a fresh grace period
         record.worker_views = {w: WorkerView(state="running" if record.go else "pending", last_seen=now)

@@ -23,7 +23,7 @@ Admission decides, the driver acts (acknowledges, rejects, unbinds); nothing her
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -72,12 +72,14 @@ def model_key_of(routing_key: str) -> topics.ModelKey | None:
 
 class Admission:
     """The gate of one driver's queue: `workers` share the clients, `hosted` are the driver's own, `own_user` is the
-    broker user it connects as (a principal's: publishers are proven)."""
+    broker user it connects as (a principal's: publishers are proven); `hosts`: the worker ordinal of each client
+    where workers hold their own data (dfca.runtime.protocol.holdings.Placement), else client c is on c % workers."""
 
     def __init__(self, workers: int, own_user: str, hosted: Iterable[int] = (),
                  max_rounds_ahead: int = MAX_ROUNDS_AHEAD, block_after: int = BLOCK_AFTER_INVALID,
-                 near_rounds: int = NEAR_ROUNDS) -> None:
+                 near_rounds: int = NEAR_ROUNDS, hosts: Sequence[int] | None = None) -> None:
         self.workers = workers
+        self.hosts = hosts
         self.publishers = principals.PublisherCheck(own_user)
         self.hosted = set(hosted)
         self.max_rounds_ahead, self.block_after, self.near_rounds = max_rounds_ahead, block_after, near_rounds
@@ -88,7 +90,11 @@ class Admission:
 
     def host_of(self, sender: int) -> str:
         """The principal hosting `sender`."""
-        return principals.AGGREGATOR if sender == SERVER else principals.host_of(sender, self.workers)
+        if sender == SERVER:
+            return principals.AGGREGATOR
+        if self.hosts is not None:
+            return principals.worker(self.hosts[sender]) if 0 <= sender < len(self.hosts) else "unknown"
+        return principals.host_of(sender, self.workers)
 
     def begin_round(self) -> None:
         """Counts against senders are per round."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +40,9 @@ KEEP_GOING_EVERY_S = 0.25  # how often a waiting driver asks whether to go on
 class MessageDriver:
     def __init__(self, algorithm: Algorithm, experiment: str, transport: Transport,
                  keep_going: Callable[[], bool] | None = None, workers: int = 1, queue: str | None = None,
-                 confirm_later: bool = False, binds_queue: bool = True) -> None:
-        """`workers`: how many workers share the experiment's clients (client c on worker c % workers). `queue`: the
+                 confirm_later: bool = False, binds_queue: bool = True, hosts: Sequence[int] | None = None) -> None:
+        """`workers`: how many workers share the experiment's clients (client c on worker c % workers, unless `hosts`
+        gives each client's worker: workers that hold their own data). `queue`: the
         driver's queue, by default its worker's (topics.worker_queue) or the central role's; lockstep setups whose
         drivers do not split the clients as c % workers name one each. `confirm_later`: a round ends without
         awaiting its messages' confirms; `take_confirmation` gives what awaits them (a worker's checkpoint writer
@@ -53,7 +54,7 @@ class MessageDriver:
         self.experiment = topics.check_word(experiment, "experiment id")
         self.cfg, self.schedule, self.side = algorithm.ctx.cfg, algorithm.schedule, algorithm.side
         self.ids = list(algorithm.ctx.clients)
-        self.admission = Admission(workers, transport.user, self.ids if self.side == "clients" else ())
+        self.admission = Admission(workers, transport.user, self.ids if self.side == "clients" else (), hosts=hosts)
         self.hearing = Hearing(self.ids, self.side, self.cfg.data.clients, lambda: self.algorithm.ctx.graph,
                                self.admission.blocked)
         self.ledger: Ledger[Delivery] = Ledger(self.side, self.cfg.runtime.staleness, time.monotonic)

@@ -27,6 +27,7 @@ from dfca.core.soft_assignment import mixture_error
 from dfca.data import FederatedData, build_federated_data
 from dfca.graph import build_graph, neighbours
 from dfca.results.evaluation import assignment_counts, clustering_scores, populated_clusters
+from dfca.runtime.control.placement import data_on_workers
 from dfca.runtime.metrics.metrics_store import MetricsStore, StoredExperiment, StoredReport
 from dfca.simulator import build_summary, last_rounds_means
 
@@ -73,9 +74,16 @@ def evaluated_clients(reports: Iterable[StoredReport], exclude: set[int]) -> dic
     return out
 
 
+class DataOnWorkers(LookupError):
+    """The experiment's data lives on its workers (`data.source: workers`): the metrics service never rebuilds it."""
+
+
 @lru_cache(maxsize=4)
 def _shards(config_json: str) -> FederatedData:
-    return build_federated_data(ExperimentConfig.model_validate_json(config_json))
+    cfg = ExperimentConfig.model_validate_json(config_json)
+    if data_on_workers(cfg):
+        raise DataOnWorkers(f"experiment {cfg.name}: its clients' data stays on the workers")
+    return build_federated_data(cfg)
 
 
 @lru_cache(maxsize=4)
@@ -91,7 +99,10 @@ def algorithm_metrics(cfg: ExperimentConfig, report: dict[str, list[Any]]) -> di
     if algorithm is None or not report.get("clients"):
         return {}
     key = cfg.model_dump_json()
-    return algorithm.run_metrics(cfg, report, lambda: _shards(key), _graph(key))
+    try:
+        return algorithm.run_metrics(cfg, report, lambda: _shards(key), _graph(key))
+    except DataOnWorkers:  # metrics computed from every client's data (the k-means GCD): not where data stays home
+        return {}
 
 
 def clustering_metrics(ev: dict[str, list[Any]], k: int) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from dfca.config import ExperimentConfig
 from dfca.identity import principals
+from dfca.runtime.protocol.holdings import DataHoldings, Placement
 
 ExperimentStatus = Literal["created", "running", "stopping", "stopped", "completed", "failed"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"stopped", "completed", "failed"})
@@ -46,6 +47,7 @@ class StartCommand(Document):
     workers: int = Field(ge=1)
     neighbours: dict[int, list[int]]
     topology_version: int = 0
+    placement: Placement | None = Field(None, description="`data.source: workers`: which worker holds which client")
 
 
 class GoCommand(Document):
@@ -106,8 +108,8 @@ class RoundReport(Document):
         for name in ("test_accuracy",):
             if not all(isinstance(v, int | float) and 0.0 <= v <= 1.0 for v in self.evaluation.get(name, [])):
                 raise ValueError(f"evaluation.{name}: values must lie in [0, 1]")
-        for name in ("assigned", "true_cluster"):
-            if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1_000_000
+        for name, least in (("assigned", 0), ("true_cluster", -1)):  # -1: unknown (a folder without clusters.json)
+            if not all(isinstance(v, int) and not isinstance(v, bool) and least <= v <= 1_000_000
                        for v in self.evaluation.get(name, [])):
                 raise ValueError(f"evaluation.{name}: values must be cluster ids")
         return self
@@ -164,6 +166,7 @@ class PresenceEvent(BaseModel):
     deployment: str
     worker: int
     workers: int = Field(ge=1)
+    holdings: DataHoldings | None = Field(None, description="a worker started on a data folder: its clients' facts")
     at: float = Field(default_factory=time.time)
 
 

@@ -10,7 +10,7 @@ service lists it under GET /deployment: a deployment whose every /readyz passes 
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 
@@ -25,14 +25,25 @@ def known_to_topology(http: httpx.Client, topology_url: str | None, role: Role, 
     topology URL (a process on an in-memory bus, in tests) there is nobody to know it, and it counts as known."""
     if not topology_url:
         return True
-    try:
-        response = http.get(f"{topology_url.rstrip('/')}/deployment", timeout=READY_TIMEOUT_S)
-    except httpx.HTTPError as err:
-        log.debug("the topology service cannot be asked whether it knows this %s: %s", role, err)
+    view = deployment_view(http, topology_url)
+    if view is None:
         return False
-    if not response.is_success:
-        return False
-    view = response.json()
     if role == "aggregator":
         return bool(view.get("aggregator"))
     return ordinal in view.get("workers_present", [])
+
+
+def deployment_view(http: httpx.Client, topology_url: str) -> dict[str, Any] | None:
+    """The topology service's GET /deployment, or None when it cannot be asked."""
+    try:
+        response = http.get(f"{topology_url.rstrip('/')}/deployment", timeout=READY_TIMEOUT_S)
+    except httpx.HTTPError as err:
+        log.debug("the topology service cannot be asked about the deployment: %s", err)
+        return None
+    return dict(response.json()) if response.is_success else None
+
+
+def data_refusal(http: httpx.Client, topology_url: str | None, ordinal: int) -> str | None:
+    """Why the topology service refused the data worker `ordinal` registered, or None."""
+    view = deployment_view(http, topology_url) if topology_url else None
+    return None if view is None else view.get("data_refused", {}).get(str(ordinal))

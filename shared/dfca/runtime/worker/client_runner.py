@@ -46,6 +46,7 @@ from dfca.runtime.driver.checkpoints import CheckpointWriter
 from dfca.runtime.driver.host_transport import HostTransport, RunInterrupted
 from dfca.runtime.driver.message_driver import MessageDriver
 from dfca.runtime.protocol.final_models import encode_sums
+from dfca.runtime.protocol.holdings import Placement
 from dfca.runtime.protocol.messages import (
     FinalModelsShare,
     GoCommand,
@@ -55,6 +56,7 @@ from dfca.runtime.protocol.messages import (
     WorkerEvent,
     WorkerState,
 )
+from dfca.runtime.worker.data_silo import DataSilo, SiloMismatch, empty_data
 from dfca.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -77,10 +79,18 @@ class RunSpec:
     topology_version: int = 0
     go: bool = False  # the experiment is already past its start barrier
     device: str | None = None  # DFCA_DEVICE: where this worker computes (None: the config's `device`)
+    placement: Placement | None = None  # `data.source: workers`: which worker holds which client
 
     @property
     def clients(self) -> list[int]:
+        if self.placement is not None:
+            return self.placement.clients_of(self.ordinal)
         return hosted_clients(self.ordinal, self.workers, self.config.data.clients)
+
+    @property
+    def hosts(self) -> list[int] | None:
+        """Each client's worker where workers hold their own data; None: client c on worker c % workers."""
+        return None if self.placement is None else self.placement.hosts
 
 
 def checkpoint_path(checkpoint_dir: Path, experiment: str, ordinal: int) -> Path:
@@ -117,8 +127,11 @@ class ClientRunner:
         checkpoint_dir: Path,
         data: FederatedData | None = None,
         over: Callable[[], bool] | None = None,
+        silo: DataSilo | None = None,
     ) -> None:
-        """`over()`: the topology service says the experiment has ended (asked every OVER_CHECK_S while waiting)."""
+        """`over()`: the topology service says the experiment has ended (asked every OVER_CHECK_S while waiting).
+        `silo`: the worker's own data folder, which an experiment over the workers' data reads its clients from."""
+        self.silo = silo
         self.spec = spec
         self.over = over
         self._next_over_check = 0.0
@@ -179,6 +192,8 @@ class ClientRunner:
             torch.set_flush_denormal(True)
             keep_freed_memory()
             self.device = worker_device(spec.config.device, spec.device)
+            if self._data is None and spec.placement is not None:
+                self._data = self._own_data(spec.placement)
             if self._data is None:
                 check_fits_memory(spec.config.estimated_bytes(len(spec.clients)),
                                   f"worker {spec.ordinal}'s {len(spec.clients)} clients", str(self.device))
@@ -200,6 +215,16 @@ class ClientRunner:
             log.info("experiment %s: worker %d shutting down at round %d", spec.experiment, spec.ordinal,
                      self.status.rounds_done)
             self.status.state = "stopped"
+
+    def _own_data(self, placement: Placement) -> FederatedData:
+        """This worker's clients from its own folder (no folder: no clients may be placed here)."""
+        spec = self.spec
+        if self.silo is None:
+            if spec.clients:
+                raise SiloMismatch(f"worker {spec.ordinal} was started without a data folder, but experiment "
+                                   f"{spec.experiment} places clients {placement.ids_of(spec.ordinal)} on it")
+            return empty_data(placement)
+        return self.silo.for_experiment(spec.config, placement)
 
     def _run_with_recovery(self) -> None:
         attempt = 0
@@ -242,7 +267,8 @@ class ClientRunner:
                                   f"worker {spec.ordinal}'s {len(spec.clients)} clients", str(self.device))
             ctx = HostContext(cfg, model, data, spec.clients, self._graph, self.device)
             driver = MessageDriver(clients_of(ctx), spec.experiment, transport, self._keep_going, workers=spec.workers,
-                                   confirm_later=True, binds_queue=principal_of_user(transport.user) is None)
+                                   confirm_later=True, binds_queue=principal_of_user(transport.user) is None,
+                                   hosts=spec.hosts)
             self.driver = driver
             driver.setup()
             next_round = 0
@@ -371,9 +397,10 @@ class ClientRunner:
         self.emit(self.worker_event(state, detail))
 
     def worker_event(self, state: WorkerState | None = None, detail: str = "") -> WorkerEvent:
-        """This runner's state as an event; with no `state`, the heartbeat."""
+        """This runner's state as an event; with no `state`, the heartbeat (which repeats the last state's detail)."""
         return WorkerEvent(
             deployment=self.spec.deployment, experiment=self.spec.experiment, worker=self.spec.ordinal,
             incarnation=self.incarnation, state=state or self.status.state, round=self.status.rounds_done,
-            clients=self.spec.clients, resumed_from=self.status.resumed_from, detail=detail, device=self._placed_on,
+            clients=self.spec.clients, resumed_from=self.status.resumed_from, detail=detail or self.status.detail,
+            device=self._placed_on,
         )

@@ -23,6 +23,7 @@ from dfca.identity.broker_setup import bind_to_deployment, ensure_broker_topolog
 from dfca.identity.principals import principal_of_user
 from dfca.identity.topics import worker_control_queue
 from dfca.runtime.control.experiments import HEARTBEAT_S
+from dfca.runtime.protocol.holdings import Placement
 from dfca.runtime.protocol.messages import (
     TERMINAL_STATUSES,
     FinalModelsShare,
@@ -38,14 +39,16 @@ from dfca.runtime.protocol.messages import (
     encode,
 )
 from dfca.runtime.service.event_consumer import QueueConsumer
-from dfca.runtime.service.registration import known_to_topology
+from dfca.runtime.service.registration import data_refusal, known_to_topology
 from dfca.runtime.worker.client_runner import ClientRunner, RunSpec
+from dfca.runtime.worker.data_silo import DataSilo
 from dfca.settings import service_auth
 from dfca.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
 
 RECOVER_RETRY_S = 2.0
+REGISTRATION_CHECK_BEATS = 5  # a worker holding data asks whether its registration was refused every 5 heartbeats
 
 
 def with_data_root(cfg: ExperimentConfig, data_root: str | None) -> ExperimentConfig:
@@ -66,10 +69,15 @@ class WorkerAgent:
         topology_url: str | None,
         data_root: str | None = None,
         device: str | None = None,
+        silo: DataSilo | None = None,
     ) -> None:
+        """`silo`: the worker's own data folder (`--data`, DFCA_DATA_DIR), read; registered with every presence
+        announcement and hosted by the experiments over the workers' data."""
         self.deployment, self.ordinal, self.workers, self.connect = deployment, ordinal, workers, connect
         self.checkpoint_dir, self.topology_url, self.data_root = checkpoint_dir, topology_url, data_root
         self.device = device  # DFCA_DEVICE, or None: each experiment's config decides
+        self.silo = silo
+        self.refusal: str | None = None  # why the topology service refused this worker's data, if it did
         self.transport = connect(64)
         self.runners: dict[str, ClientRunner] = {}
         self.lock = threading.RLock()
@@ -114,7 +122,8 @@ class WorkerAgent:
             if self.topology_url and self._status(command.experiment) not in ("running", None):
                 return  # a backlog command of an experiment that is over
             self._launch(RunSpec(self.deployment, command.experiment, command.config, command.workers,
-                                 self.ordinal, command.neighbours, command.topology_version, device=self.device))
+                                 self.ordinal, command.neighbours, command.topology_version, device=self.device,
+                                 placement=command.placement))
             return
         with self.lock:
             runner = self.runners.get(command.experiment)
@@ -132,7 +141,7 @@ class WorkerAgent:
                 return
             runner = ClientRunner(spec, self.connect, self.emit, self.checkpoint_dir,
                                   over=(lambda: self._status(spec.experiment) in (*TERMINAL_STATUSES, "unknown"))
-                                  if self.topology_url else None)
+                                  if self.topology_url else None, silo=self.silo)
             self.runners[spec.experiment] = runner
         log.info("experiment %s: hosting clients %s", spec.experiment, spec.clients,
                  extra={"experiment": spec.experiment, "worker": self.ordinal})
@@ -167,11 +176,13 @@ class WorkerAgent:
         self.consumer.run_forever(self.stopping)
 
     def _heartbeat_loop(self) -> None:
+        beats = 0
         while True:
             with self.lock:
                 runners = [r for r in self.runners.values() if not r.finished]
             try:
-                presence = PresenceEvent(deployment=self.deployment, worker=self.ordinal, workers=self.workers)
+                presence = PresenceEvent(deployment=self.deployment, worker=self.ordinal, workers=self.workers,
+                                         holdings=None if self.silo is None else self.silo.holdings())
                 self.transport.publish(topics.METRICS_EXCHANGE, topics.presence_key(self.deployment),
                                        encode(presence))
                 for runner in runners:  # not emit: awaiting a runner's round report is the runner's business
@@ -179,6 +190,9 @@ class WorkerAgent:
                     self.transport.publish(topics.METRICS_EXCHANGE, event_key(event), encode(event))
             except Exception as err:  # the transport retries; a missed heartbeat is harmless
                 log.warning("heartbeat failed: %s", err)
+            if self.silo is not None and self.topology_url and beats % REGISTRATION_CHECK_BEATS == 1:
+                self.check_registration()  # a refusal is logged even where nobody probes /readyz
+            beats += 1
             if self.stopping.wait(HEARTBEAT_S):
                 return
 
@@ -211,8 +225,19 @@ class WorkerAgent:
             return "unknown"
         return str(response.json().get("status")) if response.is_success else None
 
+    def check_registration(self) -> str | None:
+        """Ask the topology service whether it refused this worker's data; log a new refusal. The refusal, or None."""
+        refusal = data_refusal(self._http, self.topology_url, self.ordinal)
+        if refusal is not None and refusal != self.refusal:
+            log.error("the topology service refused this worker's data: %s", refusal)
+        self.refusal = refusal
+        return refusal
+
     def ready(self) -> bool:
-        """Rejoined the running experiments, and known to the topology service (dfca.runtime.service.registration)."""
+        """Rejoined the running experiments, and known to the topology service (dfca.runtime.service.registration),
+        which has not refused its data."""
+        if self.silo is not None and self.check_registration() is not None:
+            return False
         return (self.recovered.is_set() and not self.stopping.is_set()
                 and known_to_topology(self._http, self.topology_url, "worker", self.ordinal))
 
@@ -245,4 +270,5 @@ def spec_from_rest(deployment: str, ordinal: int, detail: dict[str, Any], topo: 
         workers=int(topo["workers"]), ordinal=ordinal,
         neighbours={int(c): [int(m) for m in ms] for c, ms in topo["neighbours"].items()},
         topology_version=int(topo["version"]), go=bool(detail["go"]), device=device,
+        placement=Placement.model_validate(topo["placement"]) if topo.get("placement") else None,
     )
