@@ -92,11 +92,12 @@ def list_client_ids(path: str | Path) -> list[str]:
 
 def read_folder_federation(
     path: str | Path, seed: int, test_fraction: float, clients: Sequence[str] | None = None,
-    classes: int | None = None, progress: Progress | None = None,
+    classes: int | None = None, progress: Progress | None = None, counted: bool = False,
 ) -> FederatedData:
     """The federation in `path` (only the named `clients`, in that order, where given: no other client's folder is
     opened); raises FolderDataError listing every problem, before anything is built. `progress(done, total)` is
-    called after each client folder is read."""
+    called after each client folder is read. `counted`: the clients' sample counts are kept even when they are
+    equal (a part of a larger federation, whose other parts may differ: every holder then sends the same fields)."""
     found = read_contents(path, seed, test_fraction, clients, classes, progress)
     if found.problems:
         raise FolderDataError(found.problems)
@@ -105,7 +106,8 @@ def read_folder_federation(
     return from_clients(
         train=[(torch.from_numpy(c.x_train), torch.from_numpy(c.y_train)) for c in found.clients],
         test=[(torch.from_numpy(c.x_test), torch.from_numpy(c.y_test)) for c in found.clients],
-        true_cluster=torch.tensor(truth, dtype=torch.long), num_classes=found.num_classes, client_names=names)
+        true_cluster=torch.tensor(truth, dtype=torch.long), num_classes=found.num_classes, client_names=names,
+        counted=counted)
 
 
 def read_contents(

@@ -70,7 +70,7 @@ class DataSilo:
             raise SiloMismatch(f"worker {self.ordinal} holds other clients ({self.folder}) than the experiment "
                                f"placed on it: not placed here {listed(gained)}; not in this folder {listed(lost)}")
         data = read_folder_federation(self.folder, cfg.seed, cfg.data.test_fraction, clients=placed,
-                                      classes=placement.num_classes)
+                                      classes=placement.num_classes, counted=True)  # as every other worker's
         log.info("worker %d hosts clients %s as %s", self.ordinal, placed, placement.clients_of(self.ordinal))
         return data
 
