@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from dfca.algorithms import HostContext, clients_of
-from dfca.algorithms.client_data import sample_counts
+from dfca.algorithms.client_data import local_sgd, sample_counts
 from dfca.config import ExperimentConfig
 from dfca.data.shards import BUCKET_ABOVE, BUCKET_SPREAD, from_clients
 from dfca.graph import neighbours
-from dfca.models.batched import client_permutations
+from dfca.core import round_seeds
+from dfca.models.batched import client_permutations, step_streams
 from dfca.models.build import model_from_config
 from dfca.simulator import prepare, simulate
 from harness.ragged import cut, poisoned, spread_sizes
@@ -167,15 +168,16 @@ def test_padding_memory_is_bounded_by_size_buckets() -> None:
 
 
 @pytest.mark.timeout(900)
-def test_a_ragged_rotated_federation_recovers_its_clusters() -> None:
+@pytest.mark.parametrize("local_steps", [None, 10])
+def test_a_ragged_rotated_federation_recovers_its_clusters(local_steps: int | None) -> None:
     """Rotated MNIST (k = 2), clients of 20 to 400 samples: DFCA in the simulator finds both clusters (ARI >= 0.95),
-    and the summary reports the sizes and the padding overhead."""
+    and the summary reports the sizes and the padding overhead; also when every client does 10 steps a round."""
     cfg = ExperimentConfig.model_validate({
         "name": "ragged", "algorithm": "dfca", "clusters": 2, "rounds": 10, "seed": 1,
         "data": {"dataset": "mnist-bundled", "rotations": [0, 180], "clients": 12, "train_per_client": 400,
                  "test_per_client": 50},
         "model": {"kind": "mlp", "hidden": 32},
-        "train": {"lr": 0.1, "local_epochs": 1, "batch_size": 20},
+        "train": {"lr": 0.1, "local_epochs": 1, "batch_size": 20, "local_steps": local_steps},
         "topology": {"kind": "erdos_renyi", "p": 0.4},
     })
     data = prepare(cfg).data
@@ -187,3 +189,63 @@ def test_a_ragged_rotated_federation_recovers_its_clusters() -> None:
     assert result.summary["samples_per_client"][0] == 20 and result.summary["samples_per_client"][2] == 400
     assert result.summary["padding_overhead"] == pytest.approx(ragged.padding_overhead)
     assert result.summary["test_accuracy"] > 0.6
+
+
+FIXED_STEPS = {"lr": 0.1, "local_epochs": 2, "batch_size": 8, "local_steps": 3}
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("algorithm", ["dfca", "ifca", "dfedavgm", "fedspd"])
+def test_fixed_local_steps_never_read_padding(algorithm: str, wide: bool) -> None:
+    """With train.local_steps every algorithm still ends in the same state, to the bit, whatever the padding holds."""
+    cfg = small(algorithm, train={**FIXED_STEPS, "momentum": 0.5 if algorithm == "dfedavgm" else 0.0})
+    data = ragged_data(cfg, wide=wide)
+    clean, dirty = final_state(cfg, data), final_state(cfg, poisoned(data, seed=3))
+    assert clean.keys() == dirty.keys()
+    for name, value in clean.items():
+        assert torch.equal(value, dirty[name]), name
+    assert any(not torch.equal(value, final_state(small(algorithm), data)[name]) for name, value in clean.items())
+
+
+def test_a_fixed_step_stream_walks_fresh_permutations_of_the_clients_own_samples() -> None:
+    """Each run of n_i positions is a permutation of the client's own (kept) samples, whatever its padded width; a
+    client with no kept sample gets none."""
+    narrow = torch.arange(9).unsqueeze(0) < torch.tensor([[4], [9], [0]])
+    wide = torch.arange(30).unsqueeze(0) < torch.tensor([[4], [9], [0]])
+    stream = step_streams([11, 12, 13], narrow, 20)
+    assert torch.equal(stream, step_streams([11, 12, 13], wide, 20))
+    for lo in range(0, 16, 4):
+        assert sorted(stream[0, lo : lo + 4].tolist()) == [0, 1, 2, 3]
+    assert sorted(stream[1, :9].tolist()) == list(range(9)) and sorted(stream[1, 9:18].tolist()) == list(range(9))
+    assert not torch.equal(stream[0, :4], stream[0, 4:8]) or not torch.equal(stream[0, 4:8], stream[0, 8:12])
+    assert stream[2].tolist() == [0] * 20
+    chosen = torch.tensor([[True, False, True, False, True, False, False, False, False]])
+    assert sorted(step_streams([11], chosen, 6)[0, :3].tolist()) == [0, 2, 4]
+
+
+def test_every_client_does_exactly_its_local_steps_on_its_own_samples() -> None:
+    """local_sgd with local_steps equals a hand loop on each client alone: epochs x local_steps steps of batch_size
+    samples, walking its own samples (step_streams), small and large clients alike, bucketed or not."""
+    cfg = small("ifca")
+    data = ragged_data(cfg, wide=True)
+    assert data.is_bucketed
+    model = model_from_config(cfg.model, data.input_shape, data.num_classes, "cpu")
+    start = model.init(data.num_clients, torch.Generator().manual_seed(0))
+    seeds = round_seeds(cfg.seed, list(range(data.num_clients)), 0)
+    trained = {k: v.clone() for k, v in start.items()}
+    epochs, steps, batch, lr = 2, 3, 8, 0.1
+    local_sgd(model, trained, data, lr=lr, epochs=epochs, batch_size=batch, seeds=seeds, local_steps=steps)
+    for client in range(data.num_clients):
+        (x, y), _ = data.client_shards(client)
+        order = step_streams([seeds[client]], torch.ones(1, x.shape[0], dtype=torch.bool), epochs * steps * batch)[0]
+        p = {k: v[client : client + 1].clone() for k, v in start.items()}
+        for lo in range(0, order.numel(), batch):
+            pick = order[lo : lo + batch]
+            for v in p.values():
+                v.requires_grad_(True)
+            loss = torch.nn.functional.cross_entropy(model.logits(p, x[pick].unsqueeze(0))[0], y[pick])
+            grads = torch.autograd.grad(loss, list(p.values()))
+            p = {k: (v - lr * g).detach() for (k, v), g in zip(p.items(), grads, strict=True)}
+        for k, v in p.items():
+            assert torch.allclose(trained[k][client], v[0], atol=1e-5), (client, k)
+    assert data.train_sizes.min() < batch < data.train_sizes.max()  # clients smaller and larger than one batch

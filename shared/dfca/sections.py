@@ -165,6 +165,11 @@ class ModelConfig(Strict):
 class TrainConfig(Strict):
     lr: float = Field(0.1, gt=0.0, le=MAX_LR, description=f"SGD step size, finite, at most {MAX_LR:g}")
     local_epochs: int = Field(5, ge=0, le=10_000)
+    local_steps: int | None = Field(
+        None, ge=1, le=10_000, description="None: a local epoch walks the client's own samples once, "
+        "ceil(n_i / batch_size) steps, so a larger client does more steps; a number: every client's local epoch is "
+        "exactly this many steps of batch_size samples, drawn from its own samples by walking seeded permutations of "
+        "them (IFCA's tau local steps: local_epochs 1, local_steps tau)")
     batch_size: int = Field(50, ge=1, le=100_000)
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
     lr_decay: float = Field(1.0, gt=0.0, le=1.0, description="multiplicative lr decay per round")

@@ -323,7 +323,7 @@ class DFCA(Algorithm):
         train_assigned(  # eq. 5
             self.ctx.model, self.params, self.assigned, d, lr=self.schedule.lr(t),
             epochs=self.schedule.epochs(t), batch_size=cfg.train.batch_size,
-            seeds=round_seeds(cfg.seed, self.ctx.clients, t),
+            seeds=round_seeds(cfg.seed, self.ctx.clients, t), local_steps=cfg.train.local_steps,
         )
         if self.schedule.gossip_steps(t):
             m = (source_weights(cfg.seed, cfg.data.clients, self.k, self.ctx.rows) if agreeing
@@ -378,6 +378,7 @@ class DFCA(Algorithm):
             self.ctx.model, phi, torch.zeros(len(self.ctx.clients), dtype=torch.long, device=self.ctx.device),
             d, lr=self.schedule.lr(t), epochs=self.schedule.epochs(t),
             batch_size=self.ctx.cfg.train.batch_size, seeds=round_seeds(self.ctx.cfg.seed, self.ctx.clients, t),
+            local_steps=self.ctx.cfg.train.local_steps,
         )
         return {n: v[:, 0] for n, v in phi.items()}
 

@@ -70,6 +70,7 @@ class DFedAvgM(Algorithm):
             self.ctx.model, self.params, self.only, d, lr=self.schedule.lr(t),
             epochs=self.schedule.epochs(t), batch_size=cfg.train.batch_size,
             seeds=round_seeds(cfg.seed, self.ctx.clients, t), momentum=cfg.train.momentum,
+            local_steps=cfg.train.local_steps,
         )
         rows = torch.arange(len(self.ctx.clients), device=self.ctx.device)
         self.weight = self.mixing[rows, self.ctx.rows].unsqueeze(1).clone()

@@ -129,7 +129,8 @@ class FedSPD(Algorithm):
         if epochs := self.schedule.epochs(t):
             local_sgd(self.ctx.model, self.trained, d, lr=self.schedule.lr(t), epochs=epochs,
                       batch_size=cfg.train.batch_size, seeds=round_seeds(cfg.seed, clients, t),
-                      momentum=cfg.train.momentum, sample_mask=self.labels == self.selected.unsqueeze(1))
+                      momentum=cfg.train.momentum, sample_mask=self.labels == self.selected.unsqueeze(1),
+                      local_steps=cfg.train.local_steps)
             scatter_clusters(self.params, self.selected, self.trained)
         self.weight = torch.nn.functional.one_hot(self.selected, self.k).float()  # own copy counts for s_i only
 
@@ -153,7 +154,7 @@ class FedSPD(Algorithm):
         personal = personalised_models(self.params, self.shares)
         local_sgd(self.ctx.model, personal, d, lr=self.schedule.lr(t), epochs=cfg.fedspd.final_epochs,
                   batch_size=cfg.train.batch_size, seeds=round_seeds(cfg.seed, self.ctx.clients, FINAL_PHASE_ROUND),
-                  momentum=cfg.train.momentum)
+                  momentum=cfg.train.momentum, local_steps=cfg.train.local_steps)
         self.personal = personal
 
     def current_models(self) -> Params:

@@ -80,7 +80,7 @@ class IFCA(Algorithm):
         self.local = gather_clusters(self.params, self.assigned)
         local_sgd(self.ctx.model, self.local, d, lr=self.schedule.lr(t), epochs=self.schedule.epochs(t),
                   batch_size=cfg.train.batch_size, seeds=round_seeds(cfg.seed, self.ctx.clients, t),
-                  momentum=cfg.train.momentum)
+                  momentum=cfg.train.momentum, local_steps=cfg.train.local_steps)
         self.arrived = {}
 
     def send(self, ex: Exchange) -> Outbox:

@@ -114,7 +114,7 @@ class ClusteredClients(Algorithm):
         self.local = {n: v.clone() for n, v in self.params.items()}
         local_sgd(self.ctx.model, self.local, d, lr=self.schedule.lr(t), epochs=self.schedule.epochs(t),
                   batch_size=cfg.train.batch_size, seeds=round_seeds(cfg.seed, self.ctx.clients, t),
-                  momentum=cfg.train.momentum)
+                  momentum=cfg.train.momentum, local_steps=cfg.train.local_steps)
 
     def send(self, ex: Exchange) -> Outbox:
         rows = torch.arange(len(self.ctx.clients), device=self.ctx.device)

@@ -42,6 +42,24 @@ def client_permutations(seeds: Sequence[int], n: int, epochs: int, counts: Seque
     return torch.stack(rows).view(len(seeds), epochs, n)
 
 
+def step_streams(seeds: Sequence[int], kept: Tensor, length: int) -> Tensor:
+    """[B, length] sample positions for fixed-step local SGD: client b walks seeded permutations of its kept positions
+    (where kept [B, n] holds), a fresh permutation each time one is used up, so its batches never hold padding.
+
+    Depends only on the client's seed and kept positions, not on its padded width or the clients beside it; a client
+    with no kept position gets position 0 throughout (the caller leaves it untrained)."""
+    g = torch.Generator()
+    out = torch.zeros(len(seeds), length, dtype=torch.long)
+    for b, seed in enumerate(seeds):
+        own = kept[b].nonzero().flatten().cpu()
+        if own.numel() == 0 or length == 0:
+            continue
+        g.manual_seed(int(seed))
+        walks = -(-length // own.numel())
+        out[b] = own[torch.rand(walks, own.numel(), generator=g).argsort(dim=1).flatten()[:length]]
+    return out
+
+
 def masked_orders(orders: Tensor, sample_mask: Tensor) -> tuple[Tensor, Tensor]:
     """Move each client's masked-out samples to the end of every epoch's order, keeping the order of the rest.
 
