@@ -1,5 +1,6 @@
 """benchmarks/unequal_clients.py runs end to end at a tiny scale: both federations hold the same samples, the unequal
-one is bucketed by size, and the line it writes carries both cases, their ratios, the commit and the load."""
+one is bucketed by size, and the line it writes carries every case (the unequal one with and without fixed local
+steps), their ratios, the commit and the load."""
 
 from __future__ import annotations
 
@@ -24,4 +25,11 @@ def test_unequal_clients_benchmark_writes_both_cases_and_their_ratios(tmp_path: 
     assert unequal["max"] == 80 and unequal["size_buckets"] > 1 and 1.0 <= unequal["padding_overhead"] <= 1.5
     assert equal["samples"] <= unequal["samples"] < equal["samples"] + 12  # the same total, to a client's rounding
     assert row["ratios"]["round_time"] == unequal["round_seconds"] / equal["round_seconds"]
-    assert "goal <= 1.5x" in done.stdout
+    steps = row["unequal_steps"]  # the same federation, every client doing the equal clients' steps per round
+    assert row["config"]["local_steps"] == steps["local_steps"] == -(-equal["min"] // 10)
+    assert equal["local_steps"] is None and unequal["local_steps"] is None
+    assert steps["samples"] == unequal["samples"] and steps["size_buckets"] == unequal["size_buckets"]
+    assert row["steps_ratios"]["round_time"] == steps["round_seconds"] / equal["round_seconds"]
+    fixed = row["steps_ratios"]
+    assert row["steps_goal_met"] == (fixed["round_time"] <= 1.5 and fixed["peak_rss"] <= 1.5)
+    assert "goal <= 1.5x" in done.stdout and "fixed steps" in done.stdout

@@ -14,9 +14,9 @@ import torch
 from dfca.algorithms import HostContext, clients_of
 from dfca.algorithms.client_data import local_sgd, sample_counts
 from dfca.config import ExperimentConfig
+from dfca.core import round_seeds
 from dfca.data.shards import BUCKET_ABOVE, BUCKET_SPREAD, from_clients
 from dfca.graph import neighbours
-from dfca.core import round_seeds
 from dfca.models.batched import client_permutations, step_streams
 from dfca.models.build import model_from_config
 from dfca.simulator import prepare, simulate
