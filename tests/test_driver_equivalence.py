@@ -115,6 +115,28 @@ def test_every_algorithm_runs_clients_of_unequal_size_the_same_on_both_drivers(a
                 torch.testing.assert_close(tensor, sim.algorithm.state()[name][d.ids], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algorithm", ["dfca", "ifca", "dfedavgm", "fedspd"])
+def test_fixed_local_steps_run_clients_of_unequal_size_the_same_on_both_drivers(algorithm: str, device: str) -> None:
+    """train.local_steps on a bucketed federation: each host, training only its own clients, draws every client's
+    steps as the simulator does, so the message drivers end where the simulator ends."""
+    cfg = config_for(algorithm).model_copy(update={"device": device})
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"local_steps": 3})})
+    data = prepare(cfg).data.to("cpu")
+    n = data.y_train.shape[1]
+    sizes = [max(4, n // 4 + (n * i) // (3 * data.num_clients)) for i in range(data.num_clients)]
+    sizes[1] = n
+    ragged = cut(data, sizes, spread_sizes(data.y_test.shape[1], data.num_clients, 3))
+    assert ragged.is_bucketed
+    sim = simulate(cfg, data=ragged)
+    run = run_lockstep(cfg, ragged, neighbours(prepare(cfg, ragged).graph), transport_factory(), 3, device=device)
+    for d in run.drivers:
+        assert not d.stats.rejected and d.stats.timeouts == 0 and d.rounds_done == schedule_of(cfg).total_rounds
+        for name, tensor in d.algorithm.state().items():
+            if name.startswith("params."):
+                torch.testing.assert_close(tensor, sim.algorithm.state()[name][d.ids], rtol=1e-4, atol=1e-5)
+
+
 # -- DFCA -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("init,aggregation,hosts", [("global", "batch", 3), ("local", "batch", 2),

@@ -50,8 +50,9 @@ def step_streams(seeds: Sequence[int], kept: Tensor, length: int) -> Tensor:
     with no kept position gets position 0 throughout (the caller leaves it untrained)."""
     g = torch.Generator()
     out = torch.zeros(len(seeds), length, dtype=torch.long)
+    kept = kept.cpu()  # one copy from the device, not one a client
     for b, seed in enumerate(seeds):
-        own = kept[b].nonzero().flatten().cpu()
+        own = kept[b].nonzero().flatten()
         if own.numel() == 0 or length == 0:
             continue
         g.manual_seed(int(seed))
