@@ -97,6 +97,8 @@ def test_a_worker_cannot_read_other_experiments_or_flood_the_dead_letters_on_the
             flood.publish(topics.DEAD_LETTER_EXCHANGE, "victim.models", b"")
 
 
+@pytest.mark.xfail(strict=True, reason="screened gossip (dfca.screen) is off by default, so forged consensus "
+                   "messages are folded unscreened (docs/security.md, the attack table)")
 def test_forged_consensus_costs_the_honest_clients_at_most_3_points_on_the_default_config(
         private_rabbitmq: RabbitMQNode, tmp_path: Path) -> None:
     """Worker 1 forges every consensus message of its clients (weight 1e6 on the zero model, harness.forgery) on the

@@ -167,10 +167,12 @@ class MetricsStore:
         if url.startswith("sqlite"):
             options["connect_args"] = {"check_same_thread": False}
         self.engine = create_engine(url, **options)
-        counted = inspect(self.engine).has_table(DeadLetterCountRow.__tablename__)
+        tables = inspect(self.engine)
+        uncounted = tables.has_table(DeadLetterRow.__tablename__) and not tables.has_table(
+            DeadLetterCountRow.__tablename__)  # a store from before dead letters were counted
         Base.metadata.create_all(self.engine)
         self._add_missing_columns()
-        if not counted:
+        if uncounted:
             self._count_stored_dead_letters()
         self._write = threading.Lock()
         self._last_state: dict[tuple[str, int, str], str] = {}  # of committed worker events
