@@ -78,11 +78,14 @@ def console_errors(driver: webdriver.Chrome) -> list[str]:
 
 
 def sign_in(driver: webdriver.Chrome, stack: Stack) -> None:
+    """Without the token the page says the read was refused; typed in, it shows the experiments."""
     driver.get(f"{stack.options.metrics_url}/ui")
-    until("the experiments table", lambda: by_testid(driver, "experiments"))
+    until("the refused read", lambda: "401" in by_testid(driver, "page-error").text)
+    driver.get_log("browser")  # the refused reads are expected: empty the console log
     token = by_testid(driver, "token")
     token.send_keys(TOKEN)
-    token.send_keys("\t")  # `change` stores it for the session
+    token.send_keys("\t")  # `change` stores it for the session and shows the page again
+    until("the experiments table", lambda: by_testid(driver, "experiments"))
 
 
 GRAPH_NODES = "return (window.dfcaGraphOption || {series: [{data: []}]}).series[0].data"

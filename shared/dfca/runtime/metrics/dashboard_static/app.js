@@ -479,6 +479,9 @@ if (given) {
 }
 const tokenInput = document.getElementById("token");
 tokenInput.value = token();
-tokenInput.addEventListener("change", () => sessionStorage.setItem("dfca-token", tokenInput.value.trim()));
+tokenInput.addEventListener("change", () => {  // reads need the token too: show the page again with it
+  sessionStorage.setItem("dfca-token", tokenInput.value.trim());
+  route();
+});
 window.addEventListener("hashchange", route);
 route();
