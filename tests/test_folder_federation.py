@@ -51,17 +51,20 @@ def test_arrays_are_read_scaled_counted_and_held_out_by_seed(tmp_path: Path) -> 
     assert data.input_shape == (1, 4, 4)  # a per-sample (H, W) is one channel
     assert data.num_classes == 3  # the largest label + 1
     assert data.train_sizes.tolist() == [8, 30, 3] and data.test_sizes.tolist() == [2, 5, 1]
-    assert data.x_train.dtype == torch.float32 and float(data.x_train.max()) <= 1.0
+    (xa, _), (ta, _) = data.client_shards(0)  # the clients' own samples (sizes 8, 30, 3 are bucketed)
+    (xb, _), (_, yb_test) = data.client_shards(1)
+    assert xb.dtype == torch.float32 and max(float(data.client_shards(i)[0][0].max()) for i in range(3)) <= 1.0
     b = np.load(root / "b" / "train.npz")
-    torch.testing.assert_close(data.x_train[1, :, 0], torch.from_numpy(b["x"]).float() / 255)
-    assert data.y_test[1].tolist() == labels(5).tolist()  # b's own test.npz
+    torch.testing.assert_close(xb[:, 0], torch.from_numpy(b["x"]).float() / 255)
+    assert yb_test.tolist() == labels(5).tolist()  # b's own test.npz
     # a's held-out samples: disjoint from its train samples, together all 10, the same for the same seed
     a = torch.from_numpy(np.load(root / "a" / "train.npz")["x"]).float() / 255
-    together = torch.cat([data.x_train[0, :8, 0], data.x_test[0, :2, 0]])
+    together = torch.cat([xa[:, 0], ta[:, 0]])
     assert sorted(map(tuple, together.flatten(1).tolist())) == sorted(map(tuple, a.flatten(1).tolist()))
     again = read_folder_federation(root, seed=5, test_fraction=0.2)
     other = read_folder_federation(root, seed=6, test_fraction=0.2)
-    assert torch.equal(again.x_test, data.x_test) and not torch.equal(other.x_test[0], data.x_test[0])
+    assert all(torch.equal(again.client_shards(i)[1][0], data.client_shards(i)[1][0]) for i in range(3))
+    assert not torch.equal(other.client_shards(0)[1][0], ta)
     assert not data.has_true_clusters and data.true_cluster.tolist() == [-1, -1, -1]
 
 
@@ -72,7 +75,8 @@ def test_named_clients_are_read_alone_in_their_order_and_hold_out_alike(tmp_path
     data = read_folder_federation(root, seed=5, test_fraction=0.2, clients=["c", "a"], classes=3)
     assert data.client_names == ("c", "a")
     whole = read_folder_federation(root, seed=5, test_fraction=0.2, clients=["a", "b", "c"])
-    torch.testing.assert_close(data.x_test[1, :2], whole.x_test[0, :2])  # a's held-out split: seed and id alone
+    # a's held-out split: seed and id alone
+    torch.testing.assert_close(data.client_shards(1)[1][0], whole.client_shards(0)[1][0])
 
 
 def test_clusters_json_gives_the_true_clusters(tmp_path: Path) -> None:
