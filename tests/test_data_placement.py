@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dfca.runtime.control.placement import PlacementError, place, registration_refusal
@@ -125,3 +127,20 @@ def test_a_placed_worker_that_comes_back_without_data_is_refused() -> None:
     placement = registry.placement_for({0})
     reason = registry.register(0, None, {0: ("exp-1", placement)}, present={0})
     assert reason is not None and "came back without a data folder" in reason and "exp-1" in reason
+
+
+def test_an_unfilled_data_volume_holds_no_clients_and_anything_else_must_be_a_federation(tmp_path: Path) -> None:
+    """Compose and Kubernetes mount a data folder on every worker: a fresh, empty volume (lost+found, hidden
+    entries) means the worker holds no clients of its own; a folder with anything else in it is read, and refused
+    when it is not a federation."""
+    from dfca.data import FolderDataError
+    from dfca.runtime.worker.data_silo import read_silo
+
+    volume = tmp_path / "volume"
+    (volume / "lost+found").mkdir(parents=True)
+    (volume / ".snapshot").mkdir()
+    assert read_silo(str(volume), 0) is None
+    assert read_silo(None, 0) is None
+    (volume / "site-a").mkdir()
+    with pytest.raises(FolderDataError, match="site-a"):
+        read_silo(str(volume), 0)

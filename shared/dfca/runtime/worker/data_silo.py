@@ -86,9 +86,23 @@ def holdings_of(data: FederatedData, ids: list[str], folder: str) -> DataHolding
     )
 
 
+# What a fresh volume holds before anyone fills it (ext4's lost+found, Kubernetes' and Docker's hidden entries).
+UNFILLED_VOLUME_ENTRIES = {"lost+found"}
+
+
 def read_silo(folder: str | None, ordinal: int) -> DataSilo | None:
-    """The worker's data folder, read (None when it was started without one)."""
-    return None if not folder else DataSilo(Path(folder), ordinal)
+    """The worker's data folder, read; None when it was started without one, or when its folder is a volume nobody
+    filled yet (Compose and Kubernetes always mount one): the worker then hosts built-in datasets' clients only, and
+    says so. A folder with anything in it must be a valid federation (FolderDataError)."""
+    if not folder:
+        return None
+    path = Path(folder)
+    if path.is_dir() and not [e for e in path.iterdir() if not e.name.startswith(".")
+                              and e.name not in UNFILLED_VOLUME_ENTRIES]:
+        log.warning("worker %d: its data folder %s is empty; it holds no clients of its own (experiments with "
+                    "data.source: workers will not place any here)", ordinal, path)
+        return None
+    return DataSilo(path, ordinal)
 
 
 def empty_data(placement: Placement) -> FederatedData:
