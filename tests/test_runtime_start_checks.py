@@ -95,7 +95,8 @@ def test_the_deployment_lists_the_workers_and_aggregator_heard_from_recently() -
     c.open()
     with TestClient(create_app(c, TOKEN, "memory://"), headers=AUTH) as client:
         view = client.get("/deployment").json()
-        assert view == {"deployment": "dtest", "workers": 3, "workers_present": [], "aggregator": False}
+        assert view == {"deployment": "dtest", "workers": 3, "workers_present": [], "aggregator": False, "data": {},
+                        "data_refused": {}}
         assert not known_to_topology(client, "http://127.0.0.1:9", "aggregator")
         for ordinal in (2, 0):
             c.on_event(PresenceEvent(deployment="dtest", worker=ordinal, workers=3))
