@@ -28,6 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rabbitmq_node import RabbitMQNode, RabbitMQNodeError, server_bin_dir  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def subnormal_floats() -> Iterator[None]:
+    """The simulator sets flush-to-zero for the whole process when it runs (torch.set_flush_denormal), and then a
+    subnormal such as 5e-324 reads as 0.0 everywhere in it, pydantic's parsing included: an earlier test's run must
+    not leave it on for the next."""
+    yield
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_flush_denormal(False)
+
 REPO = Path(__file__).resolve().parents[1]
 LEGACY_BROKER_URL = "amqp://dfca:dfca@127.0.0.1:5672/dfca"  # a node set up before the administrator's file
 

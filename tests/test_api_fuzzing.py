@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import schemathesis
-import torch
 from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,13 +24,6 @@ from services.metrics.main import create_app as metrics_app
 from services.topology.main import create_app as topology_app
 
 EXAMPLES = 40  # per operation and token choice
-
-
-@pytest.fixture(autouse=True)
-def subnormal_floats() -> None:
-    """The simulator sets flush-to-zero for the whole process (torch.set_flush_denormal) when it runs; Hypothesis
-    cannot draw floats under it, so an earlier test's run must not leave it on here."""
-    torch.set_flush_denormal(False)
 
 
 def fuzz(app: FastAPI, known: list[str]) -> Counter[tuple[str, int, str]]:
