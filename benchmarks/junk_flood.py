@@ -37,7 +37,7 @@ from runtime_benchmark import bench_config, runtime_run
 from dfca.identity import topics
 from dfca.identity.broker_users import principal_url, principals_of, rabbitmqctl_commands
 from dfca.identity.sharding import clients_of
-from dfca.settings import DEFAULT_BROKER_URL
+from dfca.settings import benchmark_broker_url
 from dfca.transport import RabbitMQTransport
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def steady_seconds(reports: list[Any]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--broker", default=os.environ.get("DFCA_BROKER_URL", DEFAULT_BROKER_URL))
+    parser.add_argument("--broker", default=benchmark_broker_url())
     parser.add_argument("--rabbitmqctl", default="rabbitmqctl")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--flood-seconds", type=float, default=60.0)

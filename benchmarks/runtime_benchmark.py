@@ -54,7 +54,7 @@ from dfca.runtime.driver.driver_stats import PHASES  # noqa: E402
 from dfca.runtime.driver.host_transport import HostTransport  # noqa: E402
 from dfca.runtime.metrics.metrics_store import MetricsStore  # noqa: E402
 from dfca.schedule import RoundSchedule  # noqa: E402
-from dfca.settings import DEFAULT_BROKER_URL  # noqa: E402
+from dfca.settings import benchmark_broker_url  # noqa: E402
 from dfca.simulator import simulate  # noqa: E402
 from dfca.transport import InMemoryBroker, InMemoryTransport, RabbitMQTransport  # noqa: E402
 from dfca.wire.codec import HEADER_KEYS, Envelope, TensorSpec, body_bytes, encode_message  # noqa: E402
@@ -629,7 +629,7 @@ def idle_service_queues() -> dict[str, int] | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--broker", default=os.environ.get("DFCA_BROKER_URL", DEFAULT_BROKER_URL))
+    parser.add_argument("--broker", default=benchmark_broker_url())
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--messages", type=int, default=300)
     parser.add_argument("--skip-rounds", action="store_true", help="only the exchange benchmark")

@@ -42,16 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 LEGACY_BROKER_URL = "amqp://dfca:dfca@127.0.0.1:5672/dfca"  # a node set up before the administrator's file
 
 
-def admin_file() -> Path:
-    return Path(os.environ.get("DFCA_BROKER_ADMIN_FILE") or Path.home() / ".dfca" / "broker-admin-url")
-
-
-def admin_url() -> str | None:
-    """The administrator's URL scripts/start_rabbitmq.sh wrote, if it did."""
-    try:
-        return admin_file().read_text().strip() or None
-    except OSError:
-        return None
+from dfca.settings import broker_admin_url as admin_url  # noqa: E402
 
 
 def in_ci() -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 ENV_VARS: dict[str, str] = {
     "DFCA_BROKER_URL": "AMQP URL of RabbitMQ with this process's own user, e.g. amqp://dfca-worker-0:PASSWORD@127.0.0.1:5672/dfca",
@@ -35,6 +36,25 @@ ENV_VARS: dict[str, str] = {
 }
 
 DEFAULT_BROKER_URL = "amqp://dfca:dfca@127.0.0.1:5672/dfca"
+
+
+def broker_admin_file() -> Path:
+    """Where scripts/start_rabbitmq.sh writes the local node's administrator URL (DFCA_BROKER_ADMIN_FILE)."""
+    return Path(os.environ.get("DFCA_BROKER_ADMIN_FILE") or Path.home() / ".dfca" / "broker-admin-url")
+
+
+def broker_admin_url() -> str | None:
+    """The local node's administrator URL that scripts/start_rabbitmq.sh wrote, if it did."""
+    try:
+        return broker_admin_file().read_text().strip() or None
+    except OSError:
+        return None
+
+
+def benchmark_broker_url() -> str:
+    """The broker a benchmark uses by default: DFCA_BROKER_URL, else the local node's administrator, else the
+    development user of a node set up before the administrator's file."""
+    return os.environ.get("DFCA_BROKER_URL") or broker_admin_url() or DEFAULT_BROKER_URL
 DEFAULT_PORTS = {"topology": 8080, "metrics": 8081, "worker": 8082, "aggregator": 8083}
 
 
