@@ -139,12 +139,18 @@ class TreeTrace:
                 return
 
     def at(self, when: float) -> dict[str, float]:
-        times = [t for t, _ in self.samples]
-        i = min(max(bisect.bisect_left(times, when), 1), len(times) - 1)
-        (t0, a), (t1, b) = self.samples[i - 1], self.samples[i]
-        w = 0.0 if t1 == t0 else min(max((when - t0) / (t1 - t0), 0.0), 1.0)
-        return {name: a.get(name, 0.0) + w * (b.get(name, 0.0) - a.get(name, 0.0)) for name in b}
+        return interpolated(self.samples, when)
 
     def between(self, began: float, ended: float) -> dict[str, float]:
         first, last = self.at(began), self.at(ended)
         return {name: last[name] - first.get(name, 0.0) for name in last}
+
+
+def interpolated(samples: list[tuple[float, dict[str, float]]], when: float) -> dict[str, float]:
+    """Each counter at time `when`, interpolated between the two (time, counters) samples around it (a counter
+    missing from the earlier sample counts from 0)."""
+    times = [t for t, _ in samples]
+    i = min(max(bisect.bisect_left(times, when), 1), len(times) - 1)
+    (t0, a), (t1, b) = samples[i - 1], samples[i]
+    w = 0.0 if t1 == t0 else min(max((when - t0) / (t1 - t0), 0.0), 1.0)
+    return {name: a.get(name, 0.0) + w * (b.get(name, 0.0) - a.get(name, 0.0)) for name in b}

@@ -17,7 +17,6 @@ Goals: runtime round <= 1.25x the simulator's; exchange >= 70% of raw pika.
 from __future__ import annotations
 
 import argparse
-import bisect
 import contextlib
 import json
 import os
@@ -40,6 +39,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # harness: drivers in lockstep
 
+from process_tree_trace import interpolated  # noqa: E402
 from resumable_runs import commit  # noqa: E402
 
 import dfca  # noqa: E402
@@ -247,11 +247,7 @@ class CpuTrace:
 
     def at(self, when: float) -> dict[str, float]:
         """Each group's CPU seconds at time `when`, interpolated between the samples around it."""
-        times = [t for t, _ in self.samples]
-        i = min(max(bisect.bisect_left(times, when), 1), len(times) - 1)
-        (t0, a), (t1, b) = self.samples[i - 1], self.samples[i]
-        w = 0.0 if t1 == t0 else min(max((when - t0) / (t1 - t0), 0.0), 1.0)
-        return {name: a[name] + w * (b[name] - a[name]) for name in a}
+        return interpolated(self.samples, when)
 
     def between(self, began: float, ended: float) -> dict[str, float]:
         first, last = self.at(began), self.at(ended)
