@@ -348,7 +348,7 @@ def test_a_second_body_for_one_message_is_equivocation_and_cuts_a_proven_sender_
 def test_a_cut_off_senders_queued_messages_are_refused_at_once_not_acknowledged_at_the_checkpoint() -> None:
     """Worker 1's credentials send two bodies for its client's round 1 (the second cuts the client off), then many
     more for later rounds and the same round, all queued before worker 0 reads any: what comes from the cut-off
-    sender is rejected (`blocked`) at once. A worker's acks wait for the round's checkpoint: acknowledged, these
+    sender is rejected (`cut_off`) at once. A worker's acks wait for the round's checkpoint: acknowledged, these
     would hold the prefetch window until the round's end, and every honest message queued behind them with it."""
     cfg = small_config(rounds=40, dfca={"variant": "paper"})
     broker = InMemoryBroker()
@@ -369,7 +369,7 @@ def test_a_cut_off_senders_queued_messages_are_refused_at_once_not_acknowledged_
     a.start_exchange(0)
     while (msg := a.transport.receive(a.queue, 0.0)) is not None:
         a.handle(msg)
-    assert peer in a.blocked and a.stats.rejected == Counter({"equivocation": 1, "blocked": more})
+    assert peer in a.blocked and a.stats.rejected == Counter({"equivocation": 1, "cut_off": more})
     assert a.stats.not_neighbour == 0 and transport.take_acks() == []  # nothing of it waits for the checkpoint
 
 
