@@ -4,12 +4,11 @@
 
 Every run is robust DFCA over three in-memory message drivers in lockstep (harness.forged_lockstep.run_with_forger,
 the message driver's own code), host 1 compromised: it trains, receives and reports like the others, but its
-clients send what the attack forges. Rows are attacks, columns the defence: `off` (`dfca.screen: false`: plain ratio
-consensus; seeding's checks are always on), `screen` (`dfca.screen`, core.screened_gossip), `screen+trim` (also
-`dfca.screen_trim: 0.25`, the coordinate-wise trimmed mean), all three with `traffic: full` (gossip every round;
-`screen: true` implies it),
-and `lean screen` (`traffic: lean`, the default schedule, with its one-hop merges screened too) and `lean off` (the
-default: lean, unscreened). Each cell is
+clients send what the attack forges, in its gossip steps and, on the lean schedule, its one-hop merges too
+(harness.forgery.forged_models). Rows are attacks, columns the defence: `lean screen` (the default: `traffic: lean`,
+`dfca.screen` on, core.screened_gossip, its gossip steps and one-hop merges screened), `lean off` (the same
+unscreened: `dfca.screen: false`), and with `traffic: full` (gossip every round) `off`, `screen` and `screen+trim`
+(also `dfca.screen_trim: 0.25`, the coordinate-wise trimmed mean); seeding's checks are always on. Each cell is
 the honest clients' mean test accuracy and ARI (hosts 0 and 2 only), mean over seeds, and its difference from the
 honest run with the same defence. Settings: the runtime tests' config (rotated MNIST k=2, 24 clients, ER p=0.5,
 h=64) and the goal grid's k=4 N=32 ER p=0.2 (h=200, 15 rounds: half the grid's, to save CPU).
@@ -58,10 +57,11 @@ ATTACKS: list[tuple[str, str]] = [
     ("inflate", "none"), ("relay", "none"), ("duplicate", "none"),
     ("none", "inflate"), ("none", "zeros"), ("none", "flip"), ("none", "reverse"),
 ]
-DEFENCES = {"off": {"dfca": {"traffic": "full", "screen": False}}, "screen": {"dfca": {"screen": True}},
-            "screen+trim": {"dfca": {"screen": True, "screen_trim": 0.25}},
-            "lean screen": {"dfca": {"traffic": "lean", "screen": True}},  # its one-hop merges screened too
-            "lean off": {"dfca": {"traffic": "lean", "screen": False}}}
+DEFENCES = {"lean screen": {"dfca": {"traffic": "lean", "screen": True}},  # the default
+            "lean off": {"dfca": {"traffic": "lean", "screen": False}},
+            "off": {"dfca": {"traffic": "full", "screen": False}},
+            "screen": {"dfca": {"traffic": "full", "screen": True}},
+            "screen+trim": {"dfca": {"traffic": "full", "screen": True, "screen_trim": 0.25}}}
 
 
 def config(setting: dict[str, Any], defence: str, seed: int) -> ExperimentConfig:

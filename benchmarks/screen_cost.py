@@ -28,6 +28,10 @@ from dfca.algorithms import schedule_of
 from dfca.simulator import Simulation, prepare
 
 
+def accuracy(sim: Simulation) -> float:
+    return round(float(sim.algorithm.evaluate().test_accuracy.mean()), 4)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setting", type=int, default=2, help="index into cluster_recovery.SETTINGS")
@@ -62,6 +66,7 @@ def main() -> None:
         "commit": measured, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
         "screened_pairs_dropped": sims[True].algorithm.screened,
+        "test_accuracy": {("screened" if screen else "plain"): accuracy(sim) for screen, sim in sims.items()},
     }
     for kind, by in seconds.items():
         if by[False]:
@@ -72,7 +77,8 @@ def main() -> None:
                   f"{statistics.mean(by[True]):.3f} s, ratio {sum(by[True]) / sum(by[False]):.2f}")
     total = {s: sum(sum(by[s]) for by in seconds.values()) for s in (False, True)}
     record["ratio"] = round(total[True] / total[False], 3)
-    print(f"all training rounds: ratio {record['ratio']:.2f} (load {load_before:.1f} -> {os.getloadavg()[0]:.1f})")
+    print(f"all training rounds: ratio {record['ratio']:.2f} (load {load_before:.1f} -> {os.getloadavg()[0]:.1f}); "
+          f"test accuracy {record['test_accuracy']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
         f.write(json.dumps(record) + "\n")

@@ -103,13 +103,11 @@ def test_a_worker_cannot_read_other_experiments_or_flood_the_dead_letters_on_the
             flood.publish(topics.DEAD_LETTER_EXCHANGE, "victim.models", b"")
 
 
-@pytest.mark.xfail(strict=True, reason="screened gossip (dfca.screen) is off by default, so forged consensus "
-                   "messages are folded unscreened (docs/security.md, the attack table)")
 def test_forged_consensus_costs_the_honest_clients_at_most_3_points_on_the_default_config(
         private_rabbitmq: RabbitMQNode, tmp_path: Path) -> None:
-    """Worker 1 forges every consensus message of its clients (weight 1e6 on the zero model, harness.forgery) on the
-    default config (no `dfca.screen` setting): the 16 honest clients end within 3 points of the honest run, ARI >= 0.9
-    among them."""
+    """Worker 1 forges every consensus message of its clients (weight 1e6 on the zero model) and every model of its
+    one-hop merges (the zero model; harness.forgery) on the default config, whose screen is on: the 16 honest clients
+    end within 3 points of the honest run, ARI >= 0.9 among them."""
     cfg = rotated_mnist(name="consensus-forgery", algorithm="dfca", data={"train_per_client": 150})
     reference = simulate(ExperimentConfig.model_validate(cfg)).simulation.algorithm.evaluate()
     honest = [c for c in range(24) if c % WORKERS != 1]

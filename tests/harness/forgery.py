@@ -23,6 +23,10 @@ Consensus (`gossip`, core.consensus): ratio consensus mixes (num, den) pairs; a 
   the others) on last round's model of that cluster moved 2.5 times its own training step backwards: close to
   what receivers agreed on, not much worse on their data, and against the direction training goes.
 
+The lean schedule's one-hop merges (`models`) carry plain models, no weight; a liar sends in place of its trained
+model the zero model (`inflate`, `zeros`), -3 times its model (`flip`) or, for `reverse`, last round's model moved
+2.5 training steps backwards.
+
 What the honest clients make of it is measured by benchmarks/byzantine.py and tests/test_byzantine.py.
 """
 
@@ -133,6 +137,23 @@ def forged_gossip(attack: GossipAttack, honest: Mapping[str, Tensor], anchor: Ma
     return out
 
 
+def forged_models(attack: GossipAttack, honest: Mapping[str, Tensor], anchor: Mapping[str, Tensor],
+                  trained: Mapping[str, Tensor], part: Tensor) -> dict[str, Tensor]:
+    """The one-hop merge's models [S, ...] of `attack` in place of the honest ones (cluster part[s] each); `anchor`,
+    `trained` [S, k, ...]: the senders' models before and after this round's training."""
+    rows = torch.arange(part.shape[0])
+    out = dict(honest)
+    for n in anchor:
+        if attack == "reverse":
+            before = anchor[n][rows, part]
+            out[n] = before - 2.5 * (trained[n][rows, part] - before)
+        elif attack == "flip":
+            out[n] = -3.0 * honest[n]
+        else:  # inflate, zeros: a merge carries no weight to inflate
+            out[n] = torch.zeros_like(honest[n])
+    return out
+
+
 class Forger:
     """A compromised host: its algorithm runs honestly (it trains, receives, reports), but what its clients send
     in the exchanges `attack` names is forged. Everything else is the wrapped algorithm's."""
@@ -170,6 +191,11 @@ class Forger:
                                     {n: v.index_select(0, rows) for n, v in self.anchor.items()},
                                     {n: v.index_select(0, rows) for n, v in self.trained.items()},
                                     self.inner.assigned.index_select(0, rows))  # type: ignore[attr-defined]
+        elif ex.name == "models" and self.attack.gossip != "none" and self.anchor:
+            rows = out.row
+            tensors = forged_models(self.attack.gossip, out.tensors,
+                                    {n: v.index_select(0, rows) for n, v in self.anchor.items()},
+                                    {n: v.index_select(0, rows) for n, v in self.trained.items()}, out.part)
         else:
             return out
         self.forged += int(out.row.numel())

@@ -64,7 +64,7 @@ from dfca.core.consensus import (
     source_weights,
 )
 from dfca.core.params import gather_clusters
-from dfca.core.screened_gossip import Screen, displacement, screened_arrivals
+from dfca.core.screened_gossip import Screen, screened_arrivals
 from dfca.core.seeding import SeedCandidates, first_slot_scores, fit_scores, refused_candidates, responds_to_input
 from dfca.models.batched import Params
 from dfca.run_size import SCREEN_COPIES
@@ -87,7 +87,7 @@ def traffic_of(dfca: Any) -> str:
     """The traffic preset a DFCA section (a dict as given, or a DFCAConfig) asks for."""
     if not isinstance(dfca, dict):
         return str(dfca.traffic)
-    return str(dfca.get("traffic", "full" if dfca.get("screen") else "lean"))
+    return str(dfca.get("traffic", "lean"))
 
 
 class DFCAConfig(Strict):
@@ -104,8 +104,8 @@ class DFCAConfig(Strict):
       lean (default): warmup_rounds 0, gossip_every 5, gossip_steps 5, and 8-bit payloads
             (runtime.payload_dtype int8): 0.9-1.5x the paper rule's bytes (docs/traffic.md);
       full: warmup_rounds 8, gossip_every 1, gossip_steps 3, float32 payloads: consensus every round,
-            10-20x the paper rule's bytes (the default before lean). `screen: true` implies full; with traffic lean
-            named, the screen guards its one-hop merges too.
+            10-20x the paper rule's bytes (the default before lean).
+    `screen` (on by default) guards every exchange that folds neighbours' models: gossip steps and one-hop merges.
     """
 
     variant: Literal["paper", "robust"] = "robust"
@@ -130,16 +130,18 @@ class DFCAConfig(Strict):
         0.0, ge=0.0, le=1.0, description="robust: weight of a cluster copy its client did not train this round"
     )
     screen: bool = Field(
-        False,
+        True,
         description="robust: screened gossip and merges against lying neighbours (core.screened_gossip): weights "
-        "held to what an honest client can send, estimates far from the receiver's model of last round or (for its "
-        "own cluster) against its own training step or much worse on its own data dropped; costs a copy of the "
-        "models and a loss on 64 samples per arrival of the receiver's own cluster",
+        "held to what an honest client can send; estimates far from the receiver's own (farther than screen_radius "
+        "times the median arrival's distance), or, for its own cluster, well behind its own training step or much "
+        "worse on its own data, dropped; costs a copy of the models and a loss on 64 samples per row and step; "
+        "false: plain ratio consensus, which one lying neighbour can capture",
     )
     screen_radius: float = Field(
-        3.0, gt=0.0, le=1000.0,
-        description="screen: drop an estimate farther from last round's model than this many times the distance "
-        "the receiver's own training moved its model this round",
+        2.0, gt=0.0, le=1000.0,
+        description="screen: drop an estimate farther from the receiver's own than this many times its scale (the "
+        "lower median of its arrivals' distances and of how far its own training moved its model; one-hop merges: "
+        "that distance times the rounds since the clients last agreed)",
     )
     screen_trim: float = Field(
         0.0, ge=0.0, lt=0.5,
@@ -167,8 +169,7 @@ class DFCAConfig(Strict):
     @model_validator(mode="before")
     @classmethod
     def _traffic_preset(cls, data: Any) -> Any:
-        """traffic: full (or screen: true, unless traffic is named) fills the keys the config leaves out with the
-        full schedule's values."""
+        """traffic: full fills the keys the config leaves out with the full schedule's values."""
         if not isinstance(data, dict) or traffic_of(data) != "full":
             return data
         return {**FULL_TRAFFIC, "traffic": "full", **data}
@@ -232,6 +233,15 @@ class DFCASchedule(RoundSchedule):
             return d.warmup_gossip_steps
         return d.gossip_steps if (self.cfg.rounds - 1 - u) % d.gossip_every == 0 else 0
 
+    def rounds_since_agreement(self, t: int) -> int:
+        """Training rounds from the last round whose clients agreed on their models (a gossip round, or the end of
+        seeding) to round t: 1 right after it. Between, one-hop merges let neighbours' models drift apart."""
+        u = t - self.seeding_rounds
+        since = 1
+        while u - since >= 0 and not self.gossip_steps(t - since):
+            since += 1
+        return since
+
     def agrees_on_initial_models(self, t: int) -> bool:
         """Robust DFCA-LI without seeding spends round 0 agreeing on initial models instead of training
         (see the module's docstring): averaging independently initialised networks destroys them."""
@@ -266,7 +276,7 @@ class DFCA(Algorithm):
 
     @classmethod
     def extra_model_copies(cls, cfg: ExperimentBase) -> int:
-        return SCREEN_COPIES if cfg.dfca.screen else 0
+        return SCREEN_COPIES if cfg.dfca.screen and cfg.dfca.variant == "robust" else 0
 
     @classmethod
     def variant(cls, cfg: ExperimentBase) -> str | None:
@@ -329,7 +339,7 @@ class DFCA(Algorithm):
             m = (source_weights(cfg.seed, cfg.data.clients, self.k, self.ctx.rows) if agreeing
                  else consensus_weights(self.assigned, self.k, cfg.dfca.untrained_weight))
             if anchor is not None:
-                self.consensus = StepConsensus(self.params, m, self.screen(anchor))
+                self.consensus = StepConsensus(self.params, m, self.screen(anchor, t))
             elif not self.ctx.whole:  # the message driver: its clients' (num, den), mixed as messages arrive
                 self.consensus = StepConsensus(self.params, m)
             elif (rounding := self.wire_tensor_rounding()) is None:  # every client here, nothing rounds what is sent
@@ -340,20 +350,23 @@ class DFCA(Algorithm):
             self.weight = self_weights(self.assigned, self.k, cfg.dfca.merge_rule)
             if self.sizes is not None:
                 self.weight *= self.sizes.unsqueeze(1)
-            self.merge_screen = self.screen(anchor) if anchor is not None else None
+            self.merge_screen = self.screen(anchor, t) if anchor is not None else None
 
-    def screen(self, anchor: Params) -> Screen:
-        """What this round's gossip or merge screens arrivals against (core.screened_gossip): last round's models,
-        the step this round's training moved each client's own (its length makes the radius), and the loss test on
-        its own data (at most SCREEN_SAMPLES of its training samples, the same ones for the anchor and every
-        estimate)."""
+    def screen(self, anchor: Params, t: int) -> Screen:
+        """What round t's gossip or merge screens arrivals against (core.screened_gossip): last round's models, the
+        step this round's training moved each client's own (its length is the scale's floor), the loss test on its
+        own data (at most SCREEN_SAMPLES of its training samples, the same ones for the anchor and every estimate),
+        and, for a one-hop merge, the rounds since the clients last agreed (how far apart their models may have
+        drifted)."""
         d = self.ctx.cfg.dfca
         rows = torch.arange(len(self.ctx.clients), device=self.ctx.device)
         step = {n: v[rows, self.assigned] - anchor[n][rows, self.assigned] for n, v in self.params.items()}
-        radius = d.screen_radius * displacement(self.params, anchor, self.assigned).clamp_min(1e-6)
+        reach = torch.stack([v.reshape(len(rows), -1).double().pow(2).sum(1) for v in step.values()]).sum(0).sqrt()
+        reach = reach.clamp_min(1e-6)  # |step_i|: how far this round's training moved each client's own model
         self.anchor_loss = self.sample_loss(rows, gather_clusters(anchor, self.assigned))
-        return Screen(anchor, radius.to(self.ctx.device), self.assigned, 1 + (self.k - 1) * d.untrained_weight,
-                      self.fits_own_data, d.screen_trim, step)
+        return Screen(anchor, reach.to(self.ctx.device), self.assigned, 1 + (self.k - 1) * d.untrained_weight,
+                      self.fits_own_data, d.screen_trim, step, d.screen_radius,
+                      float(self.schedule.rounds_since_agreement(t)))
 
     def sample_loss(self, rows: Tensor, models: Params) -> Tensor:
         """[R]: the loss of models [R, ...] on the first SCREEN_SAMPLES training samples of each row."""

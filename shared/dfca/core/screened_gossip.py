@@ -1,30 +1,39 @@
-"""Screened gossip: one step of ratio consensus that a lying neighbour cannot steer far (`dfca.screen`).
+"""Screened gossip: one step of ratio consensus, and one-hop merges, that a lying neighbour cannot steer far
+(`dfca.screen`, on by default).
 
 Ratio consensus (core.consensus) trusts every (num, den) pair it receives: a sender that claims a huge weight den,
-or an estimate num/den far from everyone else's, decides the result alone (one forged pair per
-step taking a 24-client run from accuracy 0.877 to 0.11). What an honest pair can be is known at the receiver:
+or an estimate num/den far from everyone else's, decides the result alone (one forged pair per step taking a
+24-client run from accuracy 0.877 to 0.11). What an honest pair can be is known at the receiver:
 
 - den: the weights m_i (1 for the cluster a client trained, `untrained_weight` for the others) only ever mix, so an
   honest den lies in [0, 1] per cluster and sums to at most budget = 1 + (k - 1) untrained_weight over the k
   clusters. A den outside is clamped, then the pair is scaled down to the budget (num with it: the estimate is kept,
   its weight is not): a liar weighs no more than one honest client, however it spreads its weight.
-- the estimate e_mj = num_mj / den_mj: every honest copy of cluster j this round is a mix of copies trained from
-  the model the clients agreed on last round (theta_ij before training, the *anchor*), so it lies within about
-  one training displacement r of it. Receiver i measures its own, r_i = |trained theta_{i,c(i)} - anchor_{i,c(i)}|,
-  and drops (weight 0) an informative arrival with |e_mj - anchor_ij| > radius * r_i (`dfca.screen_radius`).
-- for its own cluster c(i) the receiver also has data: `test(rows, estimates)` (the algorithm's) drops an estimate
-  whose loss on the receiver's own samples is much worse than the anchor's (`dfca.screen_loss`).
+- the estimate e_sj = num_sj / den_sj: honest copies of cluster j are mixes of models trained from nearby starting
+  points, so they lie near each other. Receiver i centres cluster j on its own estimate c_ij (its anchor, last
+  round's model, while it holds no weight of j) and measures its scale s_i: the lower median of the distances
+  |e_sj - c_ij| of all its informative arrivals this step, and of r_i = |trained theta_{i,c(i)} - anchor_{i,c(i)}|
+  (how far its own training moved its model). An arrival farther than `radius` x s_i is dropped (weight 0). A
+  minority of liars cannot raise the median; honest neighbours whose models drifted apart between consensus
+  rounds raise it together, so drift drops no honest model.
+- for its own cluster c(i) the receiver also knows the direction training goes and has data: an estimate more than
+  BEHIND x |step_i| behind its own estimate along its own step is dropped (a lie that undoes training), and the
+  mix it would fold is tested on its own samples (`test`, the algorithm's): where the mix is much worse than its
+  anchor, each kept arrival of that cluster is tested alone and the failing ones dropped (the honest mix passes,
+  so the data test costs one loss per row and step, not one per arrival).
 
 A dropped arrival counts as (0, 0): the step's divisor (1 + arrivals) is kept, so num and den shrink together and
-the estimate num/den is a mix of the accepted copies only. Without liars nothing is dropped where training moved
-every copy by about the same distance, and the step is exactly ratio consensus.
+the estimate num/den is a mix of the accepted copies only. The one-hop merges (`screened_arrivals`) arrive one at a
+time, so their scale cannot wait for the others: a model is kept within `radius` x r_i x `drift` of the row's own
+model of that cluster, `drift` growing with the rounds since the last consensus (neighbours' models part by about a
+training step a round between them).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -32,6 +41,7 @@ from torch import Tensor
 from dfca.core.ratio import MIN_WEIGHT, trailing
 
 BLOCK_FLOATS = 1 << 25  # parameter values of tested estimates formed at once (128 MiB of float32)
+BEHIND = 2.0  # an estimate of the row's own cluster this many own steps behind its own estimate is dropped
 
 # (receiver rows [P], their estimates of their own cluster [P, ...]) -> [P] bool: keep the estimate
 EstimateTest = Callable[[Tensor, dict[str, Tensor]], Tensor]
@@ -42,12 +52,40 @@ class Screen:
     """What a receiver screens arrivals against, per hosted row."""
 
     anchor: dict[str, Tensor]  # [M, k, ...]: the rows' models before this round's training
-    radius: Tensor  # [M]: the farthest an accepted estimate may lie from its anchor
+    reach: Tensor  # [M]: r_i, how far this round's training moved each row's own model (the scale's floor)
     clusters: Tensor  # [M]: each row's own cluster this round (the one it trained)
     budget: float  # an honest message's largest total den: 1 + (k - 1) untrained_weight
     test: EstimateTest | None  # the data test of an estimate of the row's own cluster
     trim: float = 0.0  # > 0: the estimate is the coordinate-wise trimmed mean of what was kept, this cut per end
     step: dict[str, Tensor] | None = None  # [M, ...]: this round's training step of each row's own model
+    radius: float = 2.0  # an arrival farther than radius x the row's scale from its centre is dropped
+    drift: float = 1.0  # one-hop merges: the scale is r_i x drift (1 + rounds since the last consensus)
+    cached: dict[str, Tensor] = field(default_factory=dict, repr=False)  # what the round's arrivals share, once
+
+
+def anchor_norms(screen: Screen) -> Tensor:
+    """[M, k]: |anchor_ij|^2, taken once a round."""
+    if "anchor_sq" not in screen.cached:
+        screen.cached["anchor_sq"] = sum((squared_norms(a) for a in screen.anchor.values()),
+                                         torch.zeros(screen.clusters.shape[0], 1, dtype=torch.float64,
+                                                     device=screen.clusters.device))
+    return screen.cached["anchor_sq"]
+
+
+def step_terms(screen: Screen) -> tuple[Tensor, Tensor]:
+    """([M], [M]): anchor_{i,c(i)} . step_i and |step_i|^2, taken once a round."""
+    assert screen.step is not None
+    if "anchor_step" not in screen.cached:
+        m = screen.clusters.shape[0]
+        rows = torch.arange(m, device=screen.clusters.device)
+        dot = torch.zeros(m, dtype=torch.float64, device=rows.device)
+        sq = torch.zeros_like(dot)
+        for n, a in screen.anchor.items():
+            step = screen.step[n].reshape(m, -1)
+            dot += (a[rows, screen.clusters].reshape(m, -1) * step).sum(1).double()
+            sq += step.pow(2).sum(1).double()
+        screen.cached["anchor_step"], screen.cached["step_sq"] = dot, sq
+    return screen.cached["anchor_step"], screen.cached["step_sq"]
 
 
 def budgeted(den: Tensor, budget: float) -> tuple[Tensor, Tensor]:
@@ -64,41 +102,126 @@ def by_cluster(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], t.shape[1], -1).transpose(0, 1)
 
 
-def anchor_distances(num: Mapping[str, Tensor], den: Tensor, anchor: Mapping[str, Tensor]) -> Tensor:
-    """[M, S, k]: |num[s, j] / den[s, j] - anchor[i, j]| over all of cluster j's tensors, for every row i and message
-    s, as (|n|^2 / d^2 + |a|^2 - 2 a.n / d), one batched product over the clusters per tensor: no estimate is formed."""
+def estimate_distances(num: Mapping[str, Tensor], den: Tensor, own_num: Mapping[str, Tensor], own_den: Tensor,
+                       anchor: Mapping[str, Tensor]) -> Tensor:
+    """[M, S, k]: |num[s, j] / den[s, j] - c_ij| over all of cluster j's tensors, for every row i and message s, c_ij
+    the row's centre: its own estimate own_num / own_den where it holds weight, else its anchor. As
+    (|n|^2 / d^2 + |c|^2 - 2 c.n / d), one batched product over the clusters per tensor (and one over the rows that
+    hold no weight of a cluster): no estimate is formed."""
     inv = 1.0 / den.clamp_min(MIN_WEIGHT).double()  # [S, k]
-    sq = torch.zeros(next(iter(anchor.values())).shape[0], *den.shape, dtype=torch.float64, device=den.device)
-    for name, a in anchor.items():
-        aj, nj = by_cluster(a), by_cluster(num[name].to(a.dtype))  # [k, M, F], [k, S, F]
-        cross = torch.bmm(aj, nj.transpose(1, 2)).permute(1, 2, 0).double()  # [M, S, k]: a.n
-        n_sq = nj.pow(2).sum(2).T.double()  # [S, k]
-        a_sq = aj.pow(2).sum(2).T.double()  # [M, k]
-        sq += a_sq.unsqueeze(1) + (n_sq * inv * inv).unsqueeze(0) - 2 * cross * inv.unsqueeze(0)
+    held = own_den > MIN_WEIGHT  # [M, k]
+    own_inv = torch.where(held, 1.0 / own_den.clamp_min(MIN_WEIGHT).double(), torch.zeros_like(own_den).double())
+    unheld = (~held).nonzero(as_tuple=True)
+    m, s, k = own_den.shape[0], den.shape[0], den.shape[1]
+    cross = torch.zeros(m, s, k, dtype=torch.float64, device=den.device)
+    c_sq = torch.zeros(m, k, dtype=torch.float64, device=den.device)
+    n_sq = torch.zeros(s, k, dtype=torch.float64, device=den.device)
+    for name, v in own_num.items():
+        oj, nj = by_cluster(v), by_cluster(num[name].to(v.dtype))  # [k, M, F], [k, S, F]
+        cross += torch.bmm(oj, nj.transpose(1, 2)).permute(1, 2, 0).double() * own_inv.unsqueeze(1)
+        n_sq += squared_norms(num[name])
+        c_sq += squared_norms(v) * own_inv * own_inv
+        for j in unheld[1].unique().tolist():  # rows without weight of cluster j: their anchor of it
+            rows = unheld[0][unheld[1] == j]
+            a = anchor[name][rows, j].reshape(rows.shape[0], -1)  # [U, F]
+            cross[rows, :, j] += (a @ nj[j].T).double()
+            c_sq[rows, j] += a.pow(2).sum(1).double()
+    sq = c_sq.unsqueeze(1) + (n_sq * inv * inv).unsqueeze(0) - 2 * cross * inv.unsqueeze(0)
     return sq.clamp_min(0.0).sqrt()
 
 
-def message_distances(models: Mapping[str, Tensor], part: Tensor, anchor: Mapping[str, Tensor]) -> Tensor:
-    """[M, S]: |models[s] - anchor[i, part[s]]| for every row i and message s (a model of cluster part[s])."""
-    m, s = next(iter(anchor.values())).shape[0], part.shape[0]
-    sq = torch.zeros(m, s, dtype=torch.float64, device=part.device)
-    for name, a in anchor.items():
+def squared_norms(v: Tensor) -> Tensor:
+    """[R, k]: |v[r, j]|^2 over each (row, cluster)'s values (v [R, k, ...]), with no temporary of v's size."""
+    return torch.linalg.vector_norm(v.reshape(v.shape[0], v.shape[1], -1), dim=2).double().pow(2)
+
+
+def lower_median(values: Tensor, valid: Tensor) -> Tensor:
+    """[M]: the lower median of each row's valid values (values, valid [M, W]; every row has one at least)."""
+    ordered = values.masked_fill(~valid, math.inf).sort(1).values
+    middle = ((valid.sum(1) - 1) // 2).clamp_min(0)
+    return ordered.gather(1, middle.unsqueeze(1)).squeeze(1)
+
+
+def cluster_scales(distance: Tensor, informative: Tensor, reach: Tensor) -> Tensor:
+    """[M, k]: each row's scale of each cluster, the lower median of its informative arrivals' distances and of r_i
+    (how far its own training moved it): a liar among them cannot raise it, nor one arrival alone."""
+    m, s, k = distance.shape
+    spread = torch.cat([distance.transpose(1, 2), reach.double().view(m, 1, 1).expand(m, k, 1)], 2)  # [M, k, S + 1]
+    valid = torch.cat([informative.transpose(1, 2), torch.ones(m, k, 1, dtype=torch.bool, device=reach.device)], 2)
+    return lower_median(spread.reshape(m * k, s + 1), valid.reshape(m * k, s + 1)).view(m, k)
+
+
+def step_products(values: Mapping[str, Tensor], screen: Screen) -> Tensor:
+    """[M, S]: values[s, c(i)] . step_i for every row i and message s (values [S, k, ...]), one product per cluster
+    over the rows that trained it."""
+    assert screen.step is not None
+    m, s = screen.clusters.shape[0], next(iter(values.values())).shape[0]
+    out = torch.zeros(m, s, dtype=torch.float64, device=screen.clusters.device)
+    for j in screen.clusters.unique().tolist():
+        rows = (screen.clusters == j).nonzero().squeeze(1)
+        for n, v in values.items():
+            step = screen.step[n].index_select(0, rows).reshape(rows.shape[0], -1)
+            out[rows] += (step @ v[:, j].reshape(s, -1).to(step.dtype).T).double()
+    return out
+
+
+def behind_own_step(num: Mapping[str, Tensor], den: Tensor, own_num: Mapping[str, Tensor], own_den: Tensor,
+                    screen: Screen) -> Tensor:
+    """[M, S] bool: message s's estimate of row i's own cluster lies more than BEHIND own steps behind the row's
+    own estimate along its own step: (e - c_i) . step_i < -BEHIND |step_i|^2 (a row holds weight of its own cluster:
+    it trained it)."""
+    assert screen.step is not None
+    rows = torch.arange(screen.clusters.shape[0], device=screen.clusters.device)
+    own = screen.clusters
+    arrived_den = den[:, own].T.double().clamp_min(MIN_WEIGHT)  # [M, S]
+    centre_step = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
+    step_sq = torch.zeros_like(centre_step)
+    for n, v in own_num.items():
+        step = screen.step[n].reshape(rows.shape[0], -1)
+        centre_step += (v[rows, own].reshape(rows.shape[0], -1) * step).sum(1).double()
+        step_sq += step.pow(2).sum(1).double()
+    centre_step /= own_den[rows, own].double().clamp_min(MIN_WEIGHT)
+    along = step_products(num, screen) / arrived_den - centre_step.unsqueeze(1)
+    return along < -BEHIND * step_sq.unsqueeze(1)
+
+
+def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen) -> Tensor:
+    """[M, S]: |models[s] - theta_{i,part[s]}| for every row i and message s (a model of cluster part[s]), theta_i
+    row i's models as training left them: its anchor, its own cluster moved by its step. As |x - a|^2, less
+    2 (x - a).step - |step|^2 where part[s] is the row's own cluster: no model is copied."""
+    s = part.shape[0]
+    own = part.unsqueeze(0) == screen.clusters.unsqueeze(1)  # [M, S]
+    sq = anchor_norms(screen).index_select(1, part)  # [M, S]: |a_{i,part[s]}|^2
+    for name, a in screen.anchor.items():
         x = models[name].reshape(s, -1).to(a.dtype)
+        sq = sq + squared_norms(x.unsqueeze(1)).squeeze(1).unsqueeze(0)
+        clusters = by_cluster(a)  # [k, M, F], a view
         for j in part.unique().tolist():
             cols = (part == j).nonzero().squeeze(1)
-            aj, xj = a[:, j].reshape(m, -1), x.index_select(0, cols)
-            sq[:, cols] += ((aj * aj).sum(1).unsqueeze(1) + (xj * xj).sum(1).unsqueeze(0) - 2 * aj @ xj.T).double()
+            sq[:, cols] -= 2 * (clusters[j] @ x.index_select(0, cols).T).double()
+    if screen.step is not None:
+        anchor_step, step_sq = step_terms(screen)
+        moved = step_products_of_models(models, screen) - anchor_step.unsqueeze(1)  # [M, S]: (x - a).step
+        sq -= own.double() * (2 * moved - step_sq.unsqueeze(1))
     return sq.clamp_min(0.0).sqrt()
 
 
-def own_cluster_checks(rows: Tensor, flat: Tensor, values: Mapping[str, Tensor], divisor: Tensor | None,
-                       screen: Screen, along: bool = True) -> Tensor:
-    """[P] bool: the estimates of pairs p of each row `rows[p]`'s own cluster pass the direction and data tests.
+def step_products_of_models(models: Mapping[str, Tensor], screen: Screen) -> Tensor:
+    """[M, S]: models[s] . step_i."""
+    assert screen.step is not None
+    m, s = screen.clusters.shape[0], next(iter(models.values())).shape[0]
+    out = torch.zeros(m, s, dtype=torch.float64, device=screen.clusters.device)
+    for n, step in screen.step.items():
+        out += (step.reshape(m, -1) @ models[n].reshape(s, -1).to(step.dtype).T).double()
+    return out
+
+
+def data_checks(rows: Tensor, flat: Tensor, values: Mapping[str, Tensor], divisor: Tensor | None,
+                test: EstimateTest) -> Tensor:
+    """[P] bool: the estimates of pairs p of each row `rows[p]`'s own cluster pass the data test.
 
     values: name -> [Q, ...] the estimates' numerators, flat [P] the row of each pair's, divisor [Q] their den (None:
-    models, no den). Direction: an estimate of the row's own cluster moved from the anchor along, not against, the
-    row's own training step (every honest copy was trained on data like the row's from about the same anchor; only
-    where `along`); data: screen.test. Formed block by block (BLOCK_FLOATS values at once)."""
+    models, no den). Formed block by block (BLOCK_FLOATS values at once)."""
     per_pair = sum(v[0].numel() for v in values.values())
     block = max(1, BLOCK_FLOATS // max(1, per_pair))
     ok = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
@@ -108,28 +231,78 @@ def own_cluster_checks(rows: Tensor, flat: Tensor, values: Mapping[str, Tensor],
         if divisor is not None:
             d = divisor.index_select(0, f).clamp_min(MIN_WEIGHT)
             est = {n: v / trailing(d.to(v.dtype), v) for n, v in est.items()}
-        if along and screen.step is not None:
-            moved = torch.zeros(r.shape[0], dtype=torch.float64, device=r.device)
-            for n, v in est.items():
-                own = screen.anchor[n][r, screen.clusters[r]]
-                moved += ((v - own) * screen.step[n].index_select(0, r)).reshape(r.shape[0], -1).sum(1).double()
-            ok[lo:lo + block] &= moved >= 0
-        if screen.test is not None:
-            ok[lo:lo + block] &= screen.test(r, est)
+        ok[lo:lo + block] = test(r, est)
     return ok
 
 
+def models_behind_own_step(models: Mapping[str, Tensor], part: Tensor, screen: Screen) -> Tensor:
+    """[M, S] bool: model s is of row i's own cluster and lies more than BEHIND own steps behind the row's trained
+    model along its step: (x_s - theta_i) . step_i < -BEHIND |step_i|^2, theta_i = anchor + step_i."""
+    anchor_step, step_sq = step_terms(screen)
+    along = step_products_of_models(models, screen) - (anchor_step + step_sq).unsqueeze(1)
+    own = part.unsqueeze(0) == screen.clusters.unsqueeze(1)
+    return own & (along < -BEHIND * step_sq.unsqueeze(1))
+
+
 def screened_arrivals(delivered: Tensor, part: Tensor, models: Mapping[str, Tensor], screen: Screen) -> Tensor:
-    """[M, S] bool: the one-hop merge's arrivals (message s a model of cluster part[s]) row i keeps: within its
-    radius of its anchor of that cluster, and, for its own cluster, passing the data test. Not the direction test:
-    between the lean schedule's gossip rounds neighbours' anchors drift apart, and a model's difference from the
-    receiver's anchor is that drift as much as the sender's step (measured: it dropped honest models by the
-    thousand)."""
-    keep = delivered & (message_distances(models, part, screen.anchor) <= screen.radius.unsqueeze(1))
+    """[M, S] bool: the one-hop merge's arrivals (message s a model of cluster part[s]) row i keeps: within
+    radius x r_i x drift of its own model of that cluster as training left it, and, for its own cluster, no more than
+    BEHIND own steps behind it along its own step and passing the data test. Each arrival is judged alone (they are
+    folded one at a time as they arrive)."""
+    limit = screen.radius * screen.drift * screen.reach
+    keep = delivered & (message_distances(models, part, screen) <= limit.unsqueeze(1))
+    if screen.step is not None:
+        keep &= ~models_behind_own_step(models, part, screen)
     rows, cols = (keep & (part.unsqueeze(0) == screen.clusters.unsqueeze(1))).nonzero(as_tuple=True)
-    if rows.numel():
-        keep[rows, cols] = own_cluster_checks(rows, cols, models, None, screen, along=False)
+    if rows.numel() and screen.test is not None:
+        keep[rows, cols] = data_checks(rows, cols, models, None, screen.test)
     return keep
+
+
+def mixed(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arrived_num: Mapping[str, Tensor],
+          clean: Tensor, scale: Tensor, keep: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+    """(num', den'): own + the kept arrivals (den clamped to the budget, num scaled with it), over 1 + arrivals."""
+    weight = keep.to(den.dtype)  # [M, S, k]
+    divisor = delivered.sum(1).to(den.dtype) + 1
+    new_den = (den + (weight * clean.to(den.dtype).unsqueeze(0)).sum(1)) / trailing(divisor, den)
+    mix = (weight * scale.to(den.dtype).unsqueeze(0)).permute(2, 0, 1)  # [k, M, S]: what each arrived num counts for
+    out: dict[str, Tensor] = {}
+    for n, v in num.items():  # (own + mix @ arrived) / divisor, summed in place through the clusters' view [k, M, F]
+        total = v / trailing(divisor.to(v.dtype), v)
+        by_cluster(total).baddbmm_((mix / divisor.view(1, -1, 1)).to(v.dtype), by_cluster(arrived_num[n].to(v.dtype)))
+        out[n] = total
+    return out, new_den
+
+
+def pairwise_distances(num: Mapping[str, Tensor], den: Tensor, j: int) -> Tensor:
+    """[S, S]: |e_sj - e_tj| between the messages' estimates of cluster j, from their Gram matrix."""
+    inv = 1.0 / den[:, j].clamp_min(MIN_WEIGHT).double()
+    gram = sum(((v[:, j].reshape(v.shape[0], -1)) @ v[:, j].reshape(v.shape[0], -1).T).double() for v in num.values())
+    assert isinstance(gram, Tensor)
+    sq = gram * inv.unsqueeze(0) * inv.unsqueeze(1)
+    norms = sq.diagonal()
+    return (norms.unsqueeze(0) + norms.unsqueeze(1) - 2 * sq).clamp_min(0.0).sqrt()
+
+
+def medoid_centred(distance: Tensor, informative: Tensor, den: Tensor, arrived_num: Mapping[str, Tensor],
+                   arrived_den: Tensor) -> Tensor:
+    """distance [M, S, k] with a row that holds no weight of cluster j (it did not train it) centred, for that
+    cluster, on the medoid of its informative arrivals (the arrival nearest all the others and its anchor) in place
+    of its anchor: honest copies moved from the anchor together, so a lie that moved the other way (or drifted) is
+    far from them, where from the anchor it looked as near as they did. Rows with fewer than two such arrivals keep
+    their anchor."""
+    unheld = (den <= MIN_WEIGHT) & (informative.sum(1) >= 2)  # [M, k]
+    if not unheld.any():
+        return distance
+    distance = distance.clone()
+    for j in unheld.any(0).nonzero().squeeze(1).tolist():
+        rows = unheld[:, j].nonzero().squeeze(1)
+        between = pairwise_distances(arrived_num, arrived_den, j)  # [S, S]
+        member = informative[rows, :, j]  # [U, S]
+        total = member.double() @ between + distance[rows, :, j]  # to the other arrivals, and to the anchor
+        medoid = total.masked_fill(~member, math.inf).argmin(1)  # [U]
+        distance[rows, :, j] = between.index_select(0, medoid)
+    return distance
 
 
 def screened_mix(num: dict[str, Tensor], den: Tensor, delivered: Tensor, arrived_num: Mapping[str, Tensor],
@@ -140,33 +313,67 @@ def screened_mix(num: dict[str, Tensor], den: Tensor, delivered: Tensor, arrived
     [S, k, ...], arrived_den [S, k]: the messages (not changed). An arrival of (about) no weight, den <= MIN_WEIGHT, is
     dropped too: it carries no estimate, and its num could carry anything.
     """
-    k = den.shape[1]
+    m, k = den.shape
     clean, scale = budgeted(arrived_den, screen.budget)
     informative = delivered.unsqueeze(2) & (clean > MIN_WEIGHT).unsqueeze(0)  # [M, S, k]
-    keep = informative & (anchor_distances(arrived_num, arrived_den, screen.anchor) <= screen.radius.view(-1, 1, 1))
-    rows, cols = delivered.nonzero(as_tuple=True)
-    own = screen.clusters[rows]
-    tested = keep[rows, cols, own]
-    if screen.test is not None or screen.step is not None:
-        at = tested.nonzero().squeeze(1)
-        if at.numel():
-            flat = cols[at] * k + own[at]  # the pair's (message, cluster) in [S * k]
-            values = {n: v.reshape(-1, *v.shape[2:]) for n, v in arrived_num.items()}
-            keep[rows[at], cols[at], own[at]] = own_cluster_checks(rows[at], flat, values, arrived_den.reshape(-1),
-                                                                   screen)
+    distance = estimate_distances(arrived_num, arrived_den, num, den, screen.anchor)  # [M, S, k]
+    distance = medoid_centred(distance, informative, den, arrived_num, arrived_den)
+    keep = informative & (distance <= screen.radius * cluster_scales(distance, informative, screen.reach).unsqueeze(1))
+    rows = torch.arange(m, device=den.device)
+    if screen.step is not None:
+        keep[rows, :, screen.clusters] &= ~behind_own_step(arrived_num, arrived_den, num, den, screen)
+    if screen.test is not None:
+        keep = data_screened(num, den, delivered, arrived_num, arrived_den, clean, scale, keep, screen)
     dropped = int((informative & ~keep).sum())
-    weight = keep.to(den.dtype)  # [M, S, k]
-    divisor = delivered.sum(1).to(den.dtype) + 1
-    new_den = (den + (weight * clean.to(den.dtype).unsqueeze(0)).sum(1)) / trailing(divisor, den)
     if screen.trim > 0:
-        est = trimmed_estimates(num, den, arrived_num, arrived_den, rows, cols, keep[rows, cols], screen.trim)
+        rows_, cols = delivered.nonzero(as_tuple=True)
+        new_den = (den + (keep.to(den.dtype) * clean.to(den.dtype).unsqueeze(0)).sum(1)) / trailing(
+            delivered.sum(1).to(den.dtype) + 1, den)
+        est = trimmed_estimates(num, den, arrived_num, arrived_den, rows_, cols, keep[rows_, cols], screen.trim)
         return {n: v * trailing(new_den.to(v.dtype), v) for n, v in est.items()}, new_den, dropped
-    mix = (weight * scale.to(den.dtype).unsqueeze(0)).permute(2, 0, 1)  # [k, M, S]: what each arrived num counts for
-    out: dict[str, Tensor] = {}
-    for n, v in num.items():
-        total = torch.bmm(mix.to(v.dtype), by_cluster(arrived_num[n].to(v.dtype)))  # [k, M, F]
-        out[n] = (v + total.transpose(0, 1).reshape(v.shape)) / trailing(divisor, v)
+    out, new_den = mixed(num, den, delivered, arrived_num, clean, scale, keep)
     return out, new_den, dropped
+
+
+def own_mix(num: Mapping[str, Tensor], den: Tensor, arrived_num: Mapping[str, Tensor], clean: Tensor, scale: Tensor,
+            keep: Tensor, own: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+    """([M, ...], [M]): each row's num and den of its own cluster with the kept arrivals added (not divided: only
+    their ratio, the estimate, is used), one product per cluster over the rows that trained it."""
+    rows = torch.arange(den.shape[0], device=den.device)
+    out_den = den[rows, own].clone()
+    out = {n: v[rows, own].clone() for n, v in num.items()}
+    for j in own.unique().tolist():
+        at = (own == j).nonzero().squeeze(1)
+        w = keep[at, :, j].to(den.dtype)  # [Mj, S]
+        out_den[at] += w @ clean[:, j].to(den.dtype)
+        for n, v in out.items():
+            src = arrived_num[n][:, j].reshape(scale.shape[0], -1).to(v.dtype)
+            v[at] += ((w * scale[:, j].to(den.dtype)).to(v.dtype) @ src).reshape(at.shape[0], *v.shape[1:])
+    return out, out_den
+
+
+def data_screened(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arrived_num: Mapping[str, Tensor],
+                  arrived_den: Tensor, clean: Tensor, scale: Tensor, keep: Tensor, screen: Screen) -> Tensor:
+    """keep [M, S, k] less the arrivals of a row's own cluster that fail the data test alone, tested only in the rows
+    whose mix of their own cluster fails it (one loss per row, and per arrival only where a liar hides)."""
+    assert screen.test is not None
+    rows = torch.arange(den.shape[0], device=den.device)
+    own = screen.clusters
+    mix_num, mix_den = own_mix(num, den, arrived_num, clean, scale, keep, own)
+    held = mix_den > MIN_WEIGHT
+    failing = rows[held & ~screen.test(rows, {n: v / trailing(mix_den.clamp_min(MIN_WEIGHT).to(v.dtype), v)
+                                               for n, v in mix_num.items()})]
+    if not failing.numel():
+        return keep
+    k = den.shape[1]
+    sub = keep[failing, :, own[failing]]  # [F, S]
+    fr, cols = sub.nonzero(as_tuple=True)
+    if fr.numel():
+        r = failing[fr]
+        values = {n: v.reshape(-1, *v.shape[2:]) for n, v in arrived_num.items()}
+        keep = keep.clone()
+        keep[r, cols, own[r]] = data_checks(r, cols * k + own[r], values, arrived_den.reshape(-1), screen.test)
+    return keep
 
 
 def trimmed_estimates(num: Mapping[str, Tensor], den: Tensor, arr_num: Mapping[str, Tensor], arr_den: Tensor,
@@ -206,12 +413,3 @@ def trimmed_estimates(num: Mapping[str, Tensor], den: Tensor, arr_num: Mapping[s
         kept = trailing((n_valid - 2 * cut).clamp_min(1).to(v.dtype), v)
         out[name] = torch.where(trailing(n_valid > 0, v), total / kept, own_est)
     return out
-
-
-def displacement(trained: Mapping[str, Tensor], anchor: Mapping[str, Tensor], clusters: Tensor) -> Tensor:
-    """[M]: |theta_{i,c(i)} after training - before|, how far a round's training moved each row's own model."""
-    rows = torch.arange(clusters.shape[0], device=clusters.device)
-    sq = torch.zeros(clusters.shape[0], dtype=torch.float64, device=clusters.device)
-    for n, v in trained.items():
-        sq += (v[rows, clusters] - anchor[n][rows, clusters]).pow(2).reshape(rows.shape[0], -1).sum(1).double()
-    return sq.sqrt()
