@@ -11,6 +11,9 @@
 
     python benchmarks/runtime_benchmark.py [--broker URL] [--rounds 12] [--messages 300]
 
+On a machine shared with other work, `--private-broker --favoured` measures as a machine to itself would: a RabbitMQ
+node of the run's own, and the run's processes (simulator, services, broker) scheduled ahead of the other sessions.
+
 Goals: runtime round <= 1.25x the simulator's; exchange >= 70% of raw pika.
 """
 
@@ -40,7 +43,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # harness: drivers in lockstep
 
+from favoured_run import favoured  # noqa: E402
 from process_tree_trace import interpolated  # noqa: E402
+from rabbitmq_node import RabbitMQNode  # noqa: E402
 from resumable_runs import commit  # noqa: E402
 
 import dfca  # noqa: E402
@@ -671,12 +676,27 @@ def main() -> None:
                              "every key (versions before deployment keys)")
     parser.add_argument("--out", type=Path, default=Path("docs/results/runtime_benchmark_runs.jsonl"),
                         help="JSON lines file the figures are appended to (with the commit and the machine's load)")
+    parser.add_argument("--private-broker", action="store_true",
+                        help="a RabbitMQ node of the run's own (tests/rabbitmq_node.py) instead of --broker")
+    parser.add_argument("--favoured", action="store_true",
+                        help="the run's processes scheduled ahead of the machine's other sessions (favoured_run), as "
+                             "on a machine to itself; with --private-broker, the broker too")
     args = parser.parse_args()
+    with contextlib.ExitStack() as held:
+        favour = held.enter_context(favoured()) if args.favoured else False
+        if args.private_broker:
+            args.broker = held.enter_context(
+                RabbitMQNode.start_new(Path(held.enter_context(tempfile.TemporaryDirectory())))).url
+        measure(args, favour)
+
+
+def measure(args: argparse.Namespace, favour: bool) -> None:
+    """main's figures: printed, and appended to args.out as one JSON line."""
 
     rows: list[tuple[str, str, str, str, str]] = []
     phases: dict[str, float] = {}
     record: dict[str, Any] = {"commit": commit(), "load_before": os.getloadavg()[0], "cores": os.cpu_count(),
-                              "args": vars(args) | {"out": str(args.out)}}
+                              "args": vars(args) | {"out": str(args.out)}, "favoured": favour}
     if args.device == "cuda":
         record["gpu"] = torch.cuda.get_device_name()
     if not args.skip_rounds:
