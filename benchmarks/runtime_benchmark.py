@@ -63,6 +63,7 @@ from dfca.schedule import RoundSchedule  # noqa: E402
 from dfca.settings import benchmark_broker_url  # noqa: E402
 from dfca.simulator import simulate  # noqa: E402
 from dfca.transport import InMemoryBroker, InMemoryTransport, RabbitMQTransport  # noqa: E402
+from dfca.transport.rabbitmq import redact_url  # noqa: E402
 from dfca.wire.codec import HEADER_KEYS, Envelope, TensorSpec, body_bytes, encode_message  # noqa: E402
 from harness.lockstep import LockstepRun, client_driver, lockstep_round  # noqa: E402
 
@@ -696,7 +697,8 @@ def measure(args: argparse.Namespace, favour: bool) -> None:
     rows: list[tuple[str, str, str, str, str]] = []
     phases: dict[str, float] = {}
     record: dict[str, Any] = {"commit": commit(), "load_before": os.getloadavg()[0], "cores": os.cpu_count(),
-                              "args": vars(args) | {"out": str(args.out)}, "favoured": favour}
+                              "args": vars(args) | {"out": str(args.out), "broker": redact_url(args.broker)},
+                              "favoured": favour}
     if args.device == "cuda":
         record["gpu"] = torch.cuda.get_device_name()
     if not args.skip_rounds:

@@ -100,8 +100,9 @@ class CheckpointWriter:
     acks of the messages it holds). `submit` returns at once unless `pending` checkpoints are not done yet (each
     holds a copy of the state). An error of a write, or of what follows it, is raised by the first `submit` or `wait`
     after it happened, and the checkpoints submitted after it and before that are dropped unwritten, their acks unsent
-    (the broker redelivers those messages to the worker that resumes from the last checkpoint on disk). The thread lives until `close`: starting
-    one per checkpoint made the round loop wait 2-5 ms a round for it to be scheduled on this busy 2-core machine."""
+    (the broker redelivers those messages to the worker that resumes from the last checkpoint on disk). The thread
+    lives until `close`: starting one per checkpoint made the round loop wait 2-5 ms a round for it to be scheduled
+    on this busy 2-core machine."""
 
     def __init__(self, path: Path, pending: int = PENDING) -> None:
         if pending < 1:
