@@ -31,10 +31,11 @@ HERE = Path(__file__).resolve().parent
 APP = HERE / "peers" / "flwr_deployment_app"
 FAST_POLLS = HERE / "peers" / "flwr_fast_polls"
 POLL_S = 0.01
-# SuperExec's task poll in the fast runs: stock (1 s). At 0.01 s (FLWR_SUPEREXEC_TASK_POLL_INTERVAL) the ServerApp's
-# and ClientApps' tasks failed on a loaded 2-core machine (Flower's runtime API refused their task tokens, 401) and
-# no run finished; stock Flower failed so too at a higher load, so the poll is not proven the cause.
-# `--superexec-poll` sets it.
+# SuperExec's task poll in the fast runs: stock (1 s); `--superexec-poll` sets FLWR_SUPEREXEC_TASK_POLL_INTERVAL.
+# At load 20-80 on 2 cores, with this poll at 0.01 s and with stock polls alike, Flower's runtime API refused
+# ClientApps' task tokens (401) and no run finished: flwr 1.42 puts a claimed task back to pending and drops its
+# token when its process has not pulled its inputs within HEARTBEAT_DEFAULT_INTERVAL (30 s) of the claim
+# (CoreState.claim_task / activate_task), and a ClientApp starting on an overloaded machine can take longer.
 SUPEREXEC_POLL_S: float | None = None
 
 

@@ -199,8 +199,10 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
         for flwr in ("flwr-3x8", "flwr-3x8-fast"):
             if dfca in base and flwr in base:
                 ratio = base[flwr]["round_seconds"] / base[dfca]["round_seconds"]
+                cpu = base[flwr]["cpu_seconds_per_round"] / base[dfca]["cpu_seconds_per_round"]
                 out.append(f"{dfca} against {flwr} (same layout): {ratio:.1f}x faster per round "
-                           f"(target >= {TARGET:.0f}x: {'met' if ratio >= TARGET else 'NOT met'})")
+                           f"(target >= {TARGET:.0f}x: {'met' if ratio >= TARGET else 'NOT met'}), "
+                           f"{cpu:.1f}x fewer CPU-s per round")
     return out
 
 

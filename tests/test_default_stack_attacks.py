@@ -6,6 +6,8 @@ the broker or the API, or costs the honest clients at most 3 points of accuracy 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,19 +16,23 @@ import httpx
 import pytest
 import torch
 from rabbitmq_node import RabbitMQNode
-from runtime_fixtures import Api, default_stack, rotated_mnist
+from runtime_fixtures import Api, default_stack, rotated_mnist, total_rounds
 
 from dfca.cli.stack_credentials import BROKER_USERS_FILE
 from dfca.config import ExperimentConfig
-from dfca.identity import topics
+from dfca.identity import principals, topics
 from dfca.identity.broker_users import principals_of
 from dfca.identity.principals import user_of
+from dfca.identity.sharding import clients_of
 from dfca.results.evaluation import cluster_ari
 from dfca.runtime.protocol.messages import StopCommand, WorkerEvent, encode
-from dfca.simulator import simulate
+from dfca.simulator import Simulation, prepare, simulate
 from dfca.transport import RabbitMQTransport, TransportError
+from dfca.wire.codec import PAYLOAD_DTYPES, Envelope, encode_message, headers_of, sha256
 
 WORKERS = 3
+CLIENTS = 24
+FLOOD = 3000  # models worker 1 sends before `go`
 
 
 def node_url(node: RabbitMQNode) -> str:
@@ -120,3 +126,121 @@ def test_forged_consensus_costs_the_honest_clients_at_most_3_points_on_the_defau
     ari = cluster_ari(torch.tensor([clients["assigned"][i] for i in rows]),
                       torch.tensor([clients["true_cluster"][i] for i in rows]))
     assert accuracy >= honest_accuracy - 0.03 and ari >= 0.9, (accuracy, honest_accuracy, ari)
+
+
+def honest_accuracy_of(cfg: dict[str, object], honest: list[int]) -> float:
+    """The simulator's mean test accuracy of the `honest` clients on `cfg`, nobody lying."""
+    reference = simulate(ExperimentConfig.model_validate(cfg)).simulation.algorithm.evaluate()
+    return float(reference.test_accuracy[honest].mean())
+
+
+def honest_outcome(api: Api, experiment: str, honest: list[int]) -> tuple[float, float]:
+    """The mean test accuracy and the ARI of the `honest` clients, as the metrics service reports them."""
+    clients = api.metrics.get(f"/experiments/{experiment}/clients").json()
+    rows = [i for i, c in enumerate(clients["clients"]) if c in honest]
+    assert len(rows) == len(honest), clients["clients"]
+    accuracy = sum(clients["test_accuracy"][i] for i in rows) / len(rows)
+    ari = cluster_ari(torch.tensor([clients["assigned"][i] for i in rows]),
+                      torch.tensor([clients["true_cluster"][i] for i in rows]))
+    return accuracy, ari
+
+
+def future_models(cfg: dict[str, object], experiment: str, worker: int,
+                  count: int) -> list[tuple[str, str, bytes, dict[str, str]]]:
+    """`count` well-formed model messages of worker `worker`'s clients, under its own host word and keys, for every
+    round of the run and every exchange its clients send in it (dfca.wire's encoder, the run's payload dtype),
+    each carrying junk: random models, a high seeding score, unit weights (the seeding's `origin`: one of its clients).
+    Each message identity (sender, round, exchange, step, part) gets several different bodies."""
+    config = ExperimentConfig.model_validate(cfg)
+    algorithm = Simulation(prepare(config)).algorithm
+    dtype = PAYLOAD_DTYPES[config.runtime.payload_dtype]
+    host = principals.worker(worker)
+    liars = clients_of(worker, WORKERS, config.data.clients)
+    slots = [(t, ex) for t in range(algorithm.schedule.total_rounds) for ex in algorithm.exchanges(t)
+             if ex.sender == "clients"]
+    identities = [(c, t, ex, part) for t, ex in slots for c in liars for part in range(config.clusters)]
+    generator = torch.Generator().manual_seed(7)
+    bodies: dict[tuple[str, int], bytes] = {}  # (exchange, variant) -> a junk body (one encoding each)
+    messages = []
+    for n in range(count):
+        sender, t, ex, part = identities[n % len(identities)]
+        spec, variant = algorithm.payload(ex), n // len(identities)
+        if (ex.name, variant) not in bodies:
+            tensors = {name: (torch.randn(s.shape, generator=generator) if s.kind == "model" else
+                              torch.full(s.shape, sender, dtype=torch.int64) if s.kind == "int64" else
+                              torch.full(s.shape, 1e6 if name == "score" else 1.0,
+                                         dtype=torch.float64 if s.kind == "float64" else torch.float32))
+                       for name, s in spec.items()}
+            bodies[(ex.name, variant)] = encode_message(Envelope(experiment, sender, t, ex.name, ex.step, part,
+                                                                 tensors), spec, dtype)[0]
+        body = bodies[(ex.name, variant)]
+        headers = headers_of(Envelope(experiment, sender, t, ex.name, ex.step, part), dtype, sha256(body))
+        messages.append((topics.MODELS_EXCHANGE, topics.model_key(experiment, host, sender, part), body, headers))
+    return messages
+
+
+def test_models_sent_for_future_rounds_before_go_are_refused_on_the_default_stack(
+        private_rabbitmq: RabbitMQNode, worker_1: Callable[[], RabbitMQTransport], tmp_path: Path) -> None:
+    """Worker 1 holds back its `ready` (it is paused) while workers 0 and 2 bind their queues, and sends 3,000
+    well-formed junk models of its clients for every round of the run, under its own keys, before `go`: those more
+    than a round ahead are refused (`future_round`), a second body for one message is `equivocation` and cuts the
+    client off, and the rest of the flood from it is refused (`cut_off`) without holding up the honest models queued
+    behind it, so the 16 honest clients end within 3 points of the honest run, ARI >= 0.9 among them."""
+    cfg = rotated_mnist(name="future-models", rounds=20)
+    honest = [c for c in range(CLIENTS) if c % WORKERS != 1]
+    honest_accuracy = honest_accuracy_of(cfg, honest)
+    with default_stack(tmp_path, node_url(private_rabbitmq), private_rabbitmq.ctl_command(), WORKERS) as stack:
+        api = Api.of(stack)
+        created = api.topology.post("/experiments", json=cfg)
+        assert created.status_code == 201, created.text
+        experiment = str(created.json()["id"])
+        flood = future_models(cfg, experiment, 1, FLOOD)
+        attacker = stack.services["worker-1"].pid
+        assert attacker is not None
+        os.kill(attacker, signal.SIGSTOP)
+        try:
+            assert api.topology.post(f"/experiments/{experiment}:start").status_code == 200
+            api.wait_until(experiment, lambda s: all(s["worker_states"].get(w, {}).get("state") == "ready"
+                                                     for w in ("0", "2")), 240, "workers 0 and 2 ready")
+            worker_1().publish_many(flood)  # confirmed: on the broker, in the queues of workers 0 and 2
+            assert not api.experiment(experiment)["go"]
+        finally:
+            os.kill(attacker, signal.SIGCONT)
+        final = api.wait_finished(experiment, timeout=1200)
+        assert final["status"] == "completed" and final["failed_clients"] == [], final
+        rejected = api.summary(experiment)["messages"]["rejected"]
+        accuracy, ari = honest_outcome(api, experiment, honest)
+    assert all(rejected.get(reason, 0) > 0 for reason in ("future_round", "equivocation", "cut_off")), rejected
+    assert accuracy >= honest_accuracy - 0.03 and ari >= 0.9, (accuracy, honest_accuracy, ari, rejected)
+
+
+def test_a_worker_paused_for_60_s_rejoins_and_none_of_its_clients_is_failed_on_the_default_stack(
+        private_rabbitmq: RabbitMQNode, tmp_path: Path) -> None:
+    """SIGSTOP worker 2 at round 3 for 60 s (presumed dead meanwhile), then SIGCONT while the run goes on: it is
+    waited for again once it makes progress, catches up, and finishes the last round with the others; no client is
+    counted failed."""
+    cfg = rotated_mnist(name="paused-60s", rounds=600)  # 0.3 to 1 s a round here: the run outlasts the pause
+    with default_stack(tmp_path, node_url(private_rabbitmq), private_rabbitmq.ctl_command(), WORKERS) as stack:
+        api = Api.of(stack)
+        experiment = api.create_and_start(cfg)
+        api.wait_round(experiment, 3, timeout=600)
+        paused = stack.services["worker-2"].pid
+        assert paused is not None
+        os.kill(paused, signal.SIGSTOP)
+        try:
+            time.sleep(60)
+            during = api.experiment(experiment)
+        finally:
+            os.kill(paused, signal.SIGCONT)
+        assert during["worker_states"]["2"]["state"] == "dead", during["worker_states"]  # presumed dead meanwhile
+        resumed = api.experiment(experiment)
+        assert resumed["status"] == "running", f"the run ended within the pause: lengthen it ({resumed})"
+        final = api.wait_finished(experiment, timeout=1500)
+        summary = api.summary(experiment)
+    rounds = total_rounds(cfg)
+    assert final["status"] == "completed" and final["failed_clients"] == [], final
+    assert all(final["worker_states"][str(w)]["state"] == "finished" and final["worker_states"][str(w)]["round"]
+               == rounds for w in range(WORKERS)), final["worker_states"]
+    assert summary["failed_clients"] == [] and summary["clients"] == CLIENTS, summary
+    assert summary["cluster_ari"] >= 0.9, summary
+    assert stack.services["worker-2"].pid == paused  # the same process came back: nothing restarted it

@@ -18,6 +18,7 @@ from dfca.graph import neighbours
 from dfca.identity import topics
 from dfca.runtime.driver import admission, decoding, driver_stats, folding
 from dfca.runtime.driver.delivery import Placed
+from dfca.runtime.driver.host_transport import HostTransport
 from dfca.runtime.driver.message_driver import MessageDriver
 from dfca.simulator import prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport, Message
@@ -342,6 +343,34 @@ def test_a_second_body_for_one_message_is_equivocation_and_cuts_a_proven_sender_
     a.begin_round(1)
     a.start_exchange(0)
     assert not any(d.envelope.sender == peer for d in a.ledger.held) and a.stats.applied == 0
+
+
+def test_a_cut_off_senders_queued_messages_are_refused_at_once_not_acknowledged_at_the_checkpoint() -> None:
+    """Worker 1's credentials send two bodies for its client's round 1 (the second cuts the client off), then many
+    more for later rounds and the same round, all queued before worker 0 reads any: what comes from the cut-off
+    sender is rejected (`cut_off`) at once. A worker's acks wait for the round's checkpoint: acknowledged, these
+    would hold the prefetch window until the round's end, and every honest message queued behind them with it."""
+    cfg = small_config(rounds=40, dfca={"variant": "paper"})
+    broker = InMemoryBroker()
+    ctx = prepare(cfg)
+    ours = list(range(0, ctx.data.num_clients, 2))
+    transport = HostTransport(InMemoryTransport(broker, user="dfca-worker-0"))
+    a = client_driver(cfg, "robust", ours, ctx.data.subset(ours), neighbours(ctx.graph), transport, workers=2)
+    peer = next(m for c in ours for m in a.neighbours[c] if m % 2 == 1)
+    forger = InMemoryTransport(broker, user="dfca-worker-1")
+    shapes = a.algorithm.ctx.model.shapes()
+    spec = {n: TensorSpec(s) for n, s in shapes.items()}
+    more = 30
+    for t, value in [(1, 0.0), (1, 1.0), *((1 + i % 2, 2.0 + i) for i in range(more))]:
+        lie = Envelope("robust", peer, t, "models", 0, 0, {n: torch.full(s, value) for n, s in shapes.items()})
+        forger.publish(topics.MODELS_EXCHANGE, topics.model_key("robust", "worker-1", peer, 0),
+                       *encode_message(lie, spec))
+    a.begin_round(0)
+    a.start_exchange(0)
+    while (msg := a.transport.receive(a.queue, 0.0)) is not None:
+        a.handle(msg)
+    assert peer in a.blocked and a.stats.rejected == Counter({"equivocation": 1, "cut_off": more})
+    assert a.stats.not_neighbour == 0 and transport.take_acks() == []  # nothing of it waits for the checkpoint
 
 
 # -- the running average's memory bound ----------------------------------------------------------------------

@@ -271,7 +271,11 @@ class MessageDriver:
             return
         envelope = decoded.envelope
         rows = self.hearing.rows(envelope.sender, decoded.exchange)
-        if not rows:
+        if envelope.sender in self.blocked:  # refused, not acknowledged: a worker's acks wait for the round's
+            # checkpoint, and a cut-off sender's flood, queued before it was cut off, would fill the prefetch window
+            # with them until the round's end, and hold back every honest message queued behind it
+            self._reject(message, "cut_off", f"client {envelope.sender} is cut off")
+        elif not rows:
             self.stats.not_neighbour += 1
             self.transport.ack(message)
         elif (refusal := self.admission.admit_round(envelope.sender, envelope.round, self.round)) is not None:
