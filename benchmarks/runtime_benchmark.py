@@ -11,6 +11,9 @@
 
     python benchmarks/runtime_benchmark.py [--broker URL] [--rounds 12] [--messages 300]
 
+On a machine shared with other work, `--private-broker --favoured` measures as a machine to itself would: a RabbitMQ
+node of the run's own, and the run's processes (simulator, services, broker) scheduled ahead of the other sessions.
+
 Goals: runtime round <= 1.25x the simulator's; exchange >= 70% of raw pika.
 """
 
@@ -31,6 +34,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
+from urllib.parse import urlsplit
 
 import httpx
 import pika
@@ -39,7 +43,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # harness: drivers in lockstep
 
+from favoured_run import favoured  # noqa: E402
 from process_tree_trace import interpolated  # noqa: E402
+from rabbitmq_node import RabbitMQNode  # noqa: E402
 from resumable_runs import commit  # noqa: E402
 
 import dfca  # noqa: E402
@@ -57,6 +63,7 @@ from dfca.schedule import RoundSchedule  # noqa: E402
 from dfca.settings import benchmark_broker_url  # noqa: E402
 from dfca.simulator import simulate  # noqa: E402
 from dfca.transport import InMemoryBroker, InMemoryTransport, RabbitMQTransport  # noqa: E402
+from dfca.transport.rabbitmq import redact_url  # noqa: E402
 from dfca.wire.codec import HEADER_KEYS, Envelope, TensorSpec, body_bytes, encode_message  # noqa: E402
 from harness.lockstep import LockstepRun, client_driver, lockstep_round  # noqa: E402
 
@@ -203,8 +210,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def broker_pids() -> list[int]:
-    """The RabbitMQ nodes' Erlang VMs on this machine (beam.smp)."""
+def broker_pids(url: str | None = None) -> list[int]:
+    """The RabbitMQ nodes' Erlang VMs on this machine (beam.smp); with `url`, only the one listening on its port where
+    it is found (a shared machine runs other nodes for other work)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -213,7 +221,34 @@ def broker_pids() -> list[int]:
                     pids.append(int(entry.name))
             except OSError:
                 continue
-    return pids
+    if url is None:
+        return pids
+    listening = listening_sockets(urlsplit(url).port or (5671 if url.startswith("amqps:") else 5672))
+    serving = [pid for pid in pids if holds_socket(pid, listening)]
+    return serving or pids
+
+
+def listening_sockets(port: int) -> set[str]:
+    """The inodes of the TCP sockets listening on `port` (IPv4 and IPv6), as /proc/net/tcp* lists them."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(fields[9])
+    return inodes
+
+
+def holds_socket(pid: int, inodes: set[str]) -> bool:
+    """Whether process `pid` holds one of the sockets `inodes`."""
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                link = os.readlink(fd)
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return True
+    return False
 
 
 def cpu_of(groups: dict[str, list[int]]) -> dict[str, float]:
@@ -338,7 +373,7 @@ def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users:
                 ) -> tuple[dict[str, Any], list[Any]]:
     """One run on a fresh 3-worker stack: (the metrics service's summary, the stored round reports). `cpu`, if
     given, receives a CpuTrace of the run, from the experiment's start to its end, of the workers, the other
-    services (topology, metrics) and the RabbitMQ node(s) on this machine."""
+    services (topology, metrics) and the RabbitMQ node serving `broker` (broker_pids)."""
     options = StackOptions(workers=3, broker_url=broker, topology_port=free_port(), metrics_port=free_port(),
                            worker_port_base=free_port_block(3), api_token=TOKEN, state_dir=state_dir, log_to_files=True,
                            log_level="WARNING", broker_users=broker_users)
@@ -354,7 +389,7 @@ def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users:
         groups = {"workers": [p.pid for p in stack.services.values() if p.service == "worker" and p.pid],
                   **{f"service {p.service}": [p.pid] for p in stack.services.values() if p.service != "worker"
                      and p.pid},
-                  "broker": broker_pids()}
+                  "broker": broker_pids(broker)}
         trace = CpuTrace(groups)
         trace.start()
         api.post(f"/experiments/{experiment}:start").raise_for_status()
@@ -518,9 +553,9 @@ def gossip_body_bytes(hidden: int, k: int = 2) -> int:
 
 
 def exchange_cpu(url: str, messages: int, size: int, receivers: int = 2, repeats: int = 10) -> tuple[float, float]:
-    """(CPU seconds of this process, of the RabbitMQ node(s)) per exchange: `messages` bodies of `size` bytes published
-    together through RabbitMQTransport (persistent, confirmed), each delivered to `receivers` queues, received and
-    acknowledged there, as a round's exchange moves them; the mean of `repeats` exchanges."""
+    """(CPU seconds of this process, of the RabbitMQ node serving `url`) per exchange: `messages` bodies of `size`
+    bytes published together through RabbitMQTransport (persistent, confirmed), each delivered to `receivers` queues,
+    received and acknowledged there, as a round's exchange moves them; the mean of `repeats` exchanges."""
     experiment = f"cpu{uuid.uuid4().hex[:8]}"
     publisher = RabbitMQTransport(url, name="bench-cpu-pub")
     consumers = [RabbitMQTransport(url, name=f"bench-cpu-sub{i}") for i in range(receivers)]
@@ -532,7 +567,7 @@ def exchange_cpu(url: str, messages: int, size: int, receivers: int = 2, repeats
         consumer.bind(queue, topics.MODELS_EXCHANGE, key)
         consumer.receive(queue, 0.0)  # the consumer started before the clock
     body, headers = os.urandom(size), {name: "x" * 8 for name in HEADER_KEYS}
-    nodes = broker_pids()
+    nodes = broker_pids(url)
     process, broker = cpu_seconds(os.getpid()), sum(cpu_seconds(pid) for pid in nodes)
     for _ in range(repeats):
         publisher.publish_pipelined([(topics.MODELS_EXCHANGE, key, body, headers)] * messages)
@@ -642,12 +677,28 @@ def main() -> None:
                              "every key (versions before deployment keys)")
     parser.add_argument("--out", type=Path, default=Path("docs/results/runtime_benchmark_runs.jsonl"),
                         help="JSON lines file the figures are appended to (with the commit and the machine's load)")
+    parser.add_argument("--private-broker", action="store_true",
+                        help="a RabbitMQ node of the run's own (tests/rabbitmq_node.py) instead of --broker")
+    parser.add_argument("--favoured", action="store_true",
+                        help="the run's processes scheduled ahead of the machine's other sessions (favoured_run), as "
+                             "on a machine to itself; with --private-broker, the broker too")
     args = parser.parse_args()
+    with contextlib.ExitStack() as held:
+        favour = held.enter_context(favoured()) if args.favoured else False
+        if args.private_broker:
+            args.broker = held.enter_context(
+                RabbitMQNode.start_new(Path(held.enter_context(tempfile.TemporaryDirectory())))).url
+        measure(args, favour)
+
+
+def measure(args: argparse.Namespace, favour: bool) -> None:
+    """main's figures: printed, and appended to args.out as one JSON line."""
 
     rows: list[tuple[str, str, str, str, str]] = []
     phases: dict[str, float] = {}
     record: dict[str, Any] = {"commit": commit(), "load_before": os.getloadavg()[0], "cores": os.cpu_count(),
-                              "args": vars(args) | {"out": str(args.out)}}
+                              "args": vars(args) | {"out": str(args.out), "broker": redact_url(args.broker)},
+                              "favoured": favour}
     if args.device == "cuda":
         record["gpu"] = torch.cuda.get_device_name()
     if not args.skip_rounds:
@@ -698,7 +749,7 @@ def main() -> None:
         record["exchange_cpu_by_grouping"] = grouped
         each, batched = grouped["per client"], grouped["per worker"]
         for what, name in (("this process (publisher and consumers)", "client_cpu_s"),
-                           ("the RabbitMQ node(s)", "broker_cpu_s")):
+                           ("the RabbitMQ node", "broker_cpu_s")):
             rows.append((f"CPU-s an exchange, {what}: {each['messages']} messages of {each['body_bytes'] / 1e3:.0f} kB "
                          f"to 2 queues", f"{each[name]:.4f}",
                          f"{batched[name]:.4f} (the same bytes in {batched['messages']} messages)",
@@ -726,7 +777,7 @@ def main() -> None:
               f"{sim_cpu:.3f}; the runtime's workers {cpu['workers']:.3f}, its other services "
               f"{cpu['services']:.3f} ("
               + ", ".join(f"{name} {v:.3f}" for name, v in record["services_cpu_seconds_per_round"].items())
-              + f"), the RabbitMQ node(s) on this machine {cpu['broker']:.3f}, together "
+              + f"), the RabbitMQ node serving the run {cpu['broker']:.3f}, together "
               f"{sum(cpu.values()):.3f} = {sum(cpu.values()) / sim_cpu:.2f}x the simulator's, on "
               f"{os.cpu_count()} cores")
     floor, loops = record.get("drivers_floor"), record.get("phases_cpu")

@@ -89,7 +89,7 @@ def test_a_failed_write_or_ack_is_raised_by_the_next_call(tmp_path: Path, caplog
     """A checkpoint that cannot be written is raised by the next submit (or wait), and nothing after it ran;
     `wait_quietly` logs it instead."""
     (tmp_path / "blocked").write_text("a file where the checkpoint's folder should be")
-    writer = CheckpointWriter(tmp_path / "blocked" / "0.safetensors")
+    writer = CheckpointWriter(tmp_path / "blocked" / "0.safetensors", pending=1)
     acked: list[int] = []
     writer.submit(Checkpoint({"w": torch.zeros(3)}, {}), lambda: acked.append(1))
     with pytest.raises(OSError):
@@ -131,3 +131,45 @@ def test_what_must_precede_a_checkpoint_runs_first_and_a_failure_stops_it(tmp_pa
     assert order == ["confirms 0, on disk: False", "acks 0"]
     with safe_open(str(path), "pt") as f:
         assert f.metadata()["round"] == "0"  # round 1's checkpoint was not written: a restart redoes round 1
+
+
+def test_the_writer_holds_up_the_round_loop_only_past_its_pending_checkpoints(tmp_path: Path) -> None:
+    """With two pending, a submit returns while the write before it is held up (its confirms awaited), and the next
+    waits until one of the two is done; they still land in order."""
+    release, order = threading.Event(), []
+    writer = CheckpointWriter(tmp_path / "0.safetensors", pending=2)
+    writer.submit(Checkpoint({"w": torch.zeros(3)}, {}), lambda: order.append(0), first=lambda: release.wait(5))
+    writer.submit(Checkpoint({"w": torch.ones(3)}, {}), lambda: order.append(1))  # returns: one is pending
+    third = threading.Thread(target=lambda: writer.submit(Checkpoint({"w": torch.full((3,), 2.0)}, {}),
+                                                          lambda: order.append(2)))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive() and order == []  # two pending: the third submit waits
+    release.set()
+    third.join(5)
+    writer.wait()
+    assert order == [0, 1, 2]
+    assert torch.equal(load_file(str(tmp_path / "0.safetensors"))["w"], torch.full((3,), 2.0))
+
+
+def test_checkpoints_submitted_behind_a_failed_one_are_dropped_until_its_error_is_raised(tmp_path: Path) -> None:
+    """A checkpoint submitted before the error of the one before it was raised is not written and its acks are not
+    sent (its messages come back to the worker that resumes from the checkpoint on disk); one submitted after the
+    error was raised is written."""
+    release, acked = threading.Event(), []
+
+    def failing_confirms() -> None:
+        release.wait(5)
+        raise ConnectionError("the broker went away")
+
+    path = tmp_path / "0.safetensors"
+    writer = CheckpointWriter(path, pending=2)
+    writer.submit(Checkpoint({"w": torch.zeros(3)}, {}), lambda: acked.append(0), first=failing_confirms)
+    writer.submit(Checkpoint({"w": torch.ones(3)}, {}), lambda: acked.append(1))
+    release.set()
+    with pytest.raises(ConnectionError):
+        writer.wait()
+    assert acked == [] and not path.exists()
+    writer.submit(Checkpoint({"w": torch.full((3,), 2.0)}, {}), lambda: acked.append(2))
+    writer.wait()
+    assert acked == [2] and torch.equal(load_file(str(path))["w"], torch.full((3,), 2.0))

@@ -330,14 +330,13 @@ class RabbitMQTransport(Transport):
         if len(parts) > MAX_CHUNKS:
             raise TransportError(f"a {len(body)}-byte body needs {len(parts)} parts of {self.chunk_bytes} bytes; "
                                  f"at most {MAX_CHUNKS}")
-        chunk_id = uuid.uuid4().hex
+        chunk_id = uuid.uuid4().hex if len(parts) > 1 else ""
         return [
             Publish(
                 exchange, routing_key, part,
                 pika.BasicProperties(
                     delivery_mode=pika.DeliveryMode.Persistent, user_id=self.user,
-                    headers=chunk_headers(user_headers, chunk_id, i, len(parts)) if len(parts) > 1
-                    else user_headers,
+                    headers=chunk_headers(user_headers, chunk_id, i, len(parts)) if chunk_id else user_headers,
                 ),
                 Future(), deadline,
             )

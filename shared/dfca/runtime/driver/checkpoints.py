@@ -6,7 +6,9 @@ start writing the new file's data back at once (`auto_da_alloc`), so a checkpoin
 the round loop's time that no message is waiting for. `CheckpointWriter` writes each one on a thread of its own
 while the next round runs, and only then does what must follow it: acknowledging the messages the checkpoint
 holds (a worker killed before that gets them again from the broker and resumes from the checkpoint before).
-One write is in flight at a time and they land in order: the next `submit` waits for the one before.
+They are written one at a time and land in order; the round loop waits only while `PENDING` of them are not done
+(a write waits for its round's publisher confirms, which take a broker's fsync: waiting for the one before held up
+every round's end on a busy broker).
 A message driver's checkpoint (`driver_checkpoint`, `read_driver_checkpoint`) also holds the round, the hosted ids
 and the identities of the messages used in that round: a message folded before the checkpoint but not yet
 acknowledged comes back after a crash, and must be a duplicate then, not a late message merged a second time.
@@ -21,6 +23,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -30,6 +33,8 @@ from dfca.runtime.driver.ledger import Identity
 from dfca.wire.safetensors_layout import chunks
 
 log = logging.getLogger(__name__)
+
+PENDING = 2  # checkpoints submitted and not done before `submit` waits: the one being written and the next
 
 
 @dataclass(frozen=True)
@@ -80,38 +85,53 @@ def read_driver_checkpoint(path: Path, experiment: str, clients: list[int]) -> D
     return DriverCheckpoint(load_file(str(path)), int(meta["round"]), seen)
 
 
-class CheckpointWriter:
-    """Writes a runner's checkpoints to `path` on a thread of its own, one at a time and in order; before a write,
-    runs what must precede it (awaiting the confirms of the round's messages), after it, what was submitted with it
-    (the acks of the messages it holds). An error of a write, or of what follows
-    it, is raised by the next `submit` or `wait`. The thread lives until `close`: starting one per checkpoint made
-    the round loop wait 2-5 ms a round for it to be scheduled on this busy 2-core machine."""
+class Job(NamedTuple):
+    """A submitted checkpoint: what precedes its write, it, and what follows; `epoch`: CheckpointWriter._epoch."""
 
-    def __init__(self, path: Path) -> None:
+    epoch: int
+    first: Callable[[], object]
+    checkpoint: Checkpoint
+    then: Callable[[], object]
+
+
+class CheckpointWriter:
+    """Writes a runner's checkpoints to `path` on a thread of its own, in the order submitted; before a write, runs
+    what must precede it (awaiting the confirms of the round's messages), after it, what was submitted with it (the
+    acks of the messages it holds). `submit` returns at once unless `pending` checkpoints are not done yet (each
+    holds a copy of the state). An error of a write, or of what follows it, is raised by the first `submit` or `wait`
+    after it happened, and the checkpoints submitted after it and before that are dropped unwritten, their acks unsent
+    (the broker redelivers those messages to the worker that resumes from the last checkpoint on disk). The thread
+    lives until `close`: starting one per checkpoint made the round loop wait 2-5 ms a round for it to be scheduled
+    on this busy 2-core machine."""
+
+    def __init__(self, path: Path, pending: int = PENDING) -> None:
+        if pending < 1:
+            raise ValueError("pending must be at least 1")
         self.path = path
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Checkpoint, Callable[[], object]] | None] = \
-            queue.SimpleQueue()
-        self._idle = threading.Event()
-        self._idle.set()
+        self.pending = pending
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._done = threading.Condition()
+        self._unfinished = 0  # submitted and not done (written and followed, failed or dropped)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._epoch = 0  # how many errors were raised so far: a job submitted before one was raised is of its epoch
+        self._failed_epoch = -1  # the epoch of the last job that failed: the later ones of its epoch are dropped
 
     def submit(self, checkpoint: Checkpoint, then: Callable[[], object],
                first: Callable[[], object] = lambda: None) -> None:
-        """After the one in flight: call `first`, write `checkpoint`, then call `then`."""
-        self.wait()
+        """After those submitted before: call `first`, write `checkpoint`, then call `then`."""
+        self._wait_below(self.pending)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"checkpoint-{self.path.name}", daemon=True)
             self._thread.start()
-        self._idle.clear()
-        self._jobs.put((first, checkpoint, then))
+        with self._done:
+            self._unfinished += 1
+            epoch = self._epoch
+        self._jobs.put(Job(epoch, first, checkpoint, then))
 
     def wait(self) -> None:
-        """Until the write in flight (and what follows it) is done; raises its error, if it had one."""
-        self._idle.wait()
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        """Until every checkpoint submitted (and what follows it) is done; raises the error of one, if one failed."""
+        self._wait_below(1)
 
     def wait_quietly(self) -> None:
         """`wait`, logging an error instead of raising it (the runner is ending for another reason)."""
@@ -121,21 +141,34 @@ class CheckpointWriter:
             log.warning("checkpoint %s or the acks after it failed: %s", self.path, err)
 
     def close(self) -> None:
-        """Finish the write in flight (quietly) and end the thread."""
+        """Finish the writes submitted (quietly) and end the thread."""
         self.wait_quietly()
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join()
             self._thread = None
 
+    def _wait_below(self, limit: int) -> None:
+        """Until fewer than `limit` checkpoints are not done; then raises a failed one's error, once."""
+        with self._done:
+            self._done.wait_for(lambda: self._unfinished < limit)
+            error, self._error = self._error, None
+            if error is not None:
+                self._epoch += 1
+        if error is not None:
+            raise error
+
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            first, checkpoint, then = job
             try:
-                first()
-                checkpoint.write(self.path)
-                then()
+                if job.epoch != self._failed_epoch:  # else submitted behind a failed one, before its error was raised
+                    job.first()
+                    job.checkpoint.write(self.path)
+                    job.then()
             except BaseException as err:  # handed to the runner's thread
-                self._error = err
+                with self._done:
+                    self._error, self._failed_epoch = err, job.epoch
             finally:
-                self._idle.set()
+                with self._done:
+                    self._unfinished -= 1
+                    self._done.notify_all()

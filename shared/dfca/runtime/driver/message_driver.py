@@ -190,7 +190,7 @@ class MessageDriver:
                 raise RunInterrupted
         wait = 0.05 if deadline is None else min(0.05, deadline - now)
         if (message := self.transport.receive(self.queue, wait)) is not None:
-            self._take([message])  # woken by the first arrival
+            self._take(self._arrived(message))  # woken by the first arrival: decoded with what came in with it
         return True
 
     def end_exchange(self) -> None:
@@ -214,9 +214,10 @@ class MessageDriver:
         self.admission.end_round(self.round)
 
     # -- messages -------------------------------------------------------------------------------------------
-    def _arrived(self) -> list[Message]:
-        """What waits in the driver's queue, without blocking, up to one fold's worth of messages."""
-        arrived: list[Message] = []
+    def _arrived(self, first: Message | None = None) -> list[Message]:
+        """What waits in the driver's queue, without blocking, up to one fold's worth of messages (`first`, one taken
+        already, among them): messages decoded together cost about half as much each as one at a time."""
+        arrived = [] if first is None else [first]
         while len(arrived) < self.ready.batch and (message := self.transport.receive(self.queue, 0.0)) is not None:
             arrived.append(message)
         return arrived
