@@ -666,6 +666,8 @@ def main() -> None:
     parser.add_argument("--skip-rounds", action="store_true", help="only the exchange benchmark")
     parser.add_argument("--skip-exchange", action="store_true", help="only the seconds per round")
     parser.add_argument("--traffic", choices=["lean", "full"], default="lean", help="dfca.traffic of the run")
+    parser.add_argument("--screen", choices=["on", "off"], default="on",
+                        help="dfca.screen of the run (screened gossip, on by default)")
     parser.add_argument("--demo", action="store_true", help="the demo config (shared/dfca/configs/demo.yaml) instead")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="the config's device: where the simulator, the drivers alone and the workers compute")
@@ -703,7 +705,7 @@ def measure(args: argparse.Namespace, favour: bool) -> None:
         record["gpu"] = torch.cuda.get_device_name()
     if not args.skip_rounds:
         cfg = demo_config(args.rounds) if args.demo else bench_config(args.rounds)
-        cfg["dfca"] = {**cfg.get("dfca", {}), "traffic": args.traffic}
+        cfg["dfca"] = {**cfg.get("dfca", {}), "traffic": args.traffic, "screen": args.screen == "on"}
         cfg["device"] = args.device
         clients = ExperimentConfig.model_validate(cfg).data.clients
         sim = simulator_round_seconds(cfg)

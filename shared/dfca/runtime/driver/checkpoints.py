@@ -7,8 +7,8 @@ the round loop's time that no message is waiting for. `CheckpointWriter` writes 
 while the next round runs, and only then does what must follow it: acknowledging the messages the checkpoint
 holds (a worker killed before that gets them again from the broker and resumes from the checkpoint before).
 They are written one at a time and land in order; the round loop waits only while `PENDING` of them are not done
-(a write waits for its round's publisher confirms, which take a broker's fsync: waiting for the one before held up
-every round's end on a busy broker).
+(1 by default: a round's end waits for the write before it; with more, a round ends while a write still waits for
+its round's publisher confirms, a broker's fsync, at the cost of another copy of the clients' state).
 A message driver's checkpoint (`driver_checkpoint`, `read_driver_checkpoint`) also holds the round, the hosted ids
 and the identities of the messages used in that round: a message folded before the checkpoint but not yet
 acknowledged comes back after a crash, and must be a duplicate then, not a late message merged a second time.
@@ -34,7 +34,7 @@ from dfca.wire.safetensors_layout import chunks
 
 log = logging.getLogger(__name__)
 
-PENDING = 2  # checkpoints submitted and not done before `submit` waits: the one being written and the next
+PENDING = 1  # checkpoints submitted and not done before `submit` waits: the one being written
 
 
 @dataclass(frozen=True)
