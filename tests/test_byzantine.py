@@ -95,12 +95,12 @@ def test_screened_gossip_drops_far_estimates_and_is_ratio_consensus_without_them
 
 
 def test_an_estimate_against_the_receivers_own_training_step_is_dropped() -> None:
-    """`reverse`: last round's model moved backwards along the training step, well inside the radius. The receiver's
-    own step points the other way, so a gossip estimate of its own cluster is dropped; the honest ones, along it,
-    kept."""
+    """`reverse`: last round's model moved backwards along the training step, behind the receiver's own estimate
+    along its own step (and farther than two steps from it): a gossip estimate of its own cluster is dropped, as is a
+    merge's model; the honest ones, along it, kept."""
     torch.manual_seed(0)
     step = torch.full((1, 8), 0.1)
-    screen = Screen({"w": torch.zeros(1, 1, 8)}, torch.full((1,), 10.0), torch.zeros(1, dtype=torch.long), 1.0, None,
+    screen = Screen({"w": torch.zeros(1, 1, 8)}, torch.full((1,), 0.3), torch.zeros(1, dtype=torch.long), 1.0, None,
                     0.0, {"w": step})
     honest = step.unsqueeze(1) + torch.randn(3, 1, 8) * 0.02
     arrived = torch.cat([honest, -2.5 * step.unsqueeze(1)])

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 from rabbitmq_node import RabbitMQNode
-from runtime_fixtures import Api, default_stack, rotated_mnist, total_rounds
+from runtime_fixtures import Api, default_stack, rotated_mnist
 
 from dfca.cli.stack_credentials import BROKER_USERS_FILE
 from dfca.config import ExperimentConfig
@@ -215,9 +215,9 @@ def test_models_sent_for_future_rounds_before_go_are_refused_on_the_default_stac
 def test_a_worker_paused_for_60_s_rejoins_and_none_of_its_clients_is_failed_on_the_default_stack(
         private_rabbitmq: RabbitMQNode, tmp_path: Path) -> None:
     """SIGSTOP worker 2 at round 3 for 60 s (presumed dead meanwhile), then SIGCONT while the run goes on: it is
-    waited for again once it makes progress, catches up, and finishes the last round with the others; no client is
-    counted failed."""
-    cfg = rotated_mnist(name="paused-60s", rounds=600)  # 0.3 to 1 s a round here: the run outlasts the pause
+    waited for again once it makes progress and catches up with the others; stopped then, the run counts no client
+    failed and no worker dead."""
+    cfg = rotated_mnist(name="paused-60s", rounds=50_000)  # outlasts the pause on any machine; stopped once it is back
     with default_stack(tmp_path, node_url(private_rabbitmq), private_rabbitmq.ctl_command(), WORKERS) as stack:
         api = Api.of(stack)
         experiment = api.create_and_start(cfg)
@@ -231,14 +231,14 @@ def test_a_worker_paused_for_60_s_rejoins_and_none_of_its_clients_is_failed_on_t
         finally:
             os.kill(paused, signal.SIGCONT)
         assert during["worker_states"]["2"]["state"] == "dead", during["worker_states"]  # presumed dead meanwhile
-        resumed = api.experiment(experiment)
-        assert resumed["status"] == "running", f"the run ended within the pause: lengthen it ({resumed})"
-        final = api.wait_finished(experiment, timeout=1500)
+        ahead = max(during["worker_states"][w]["round"] for w in ("0", "1"))
+        back = api.wait_until(experiment, lambda s: s["worker_states"]["2"]["state"] == "running"
+                              and s["worker_states"]["2"]["round"] > ahead, 900, "worker 2 caught up")
+        assert back["status"] == "running" and back["failed_clients"] == [], back
+        assert api.topology.post(f"/experiments/{experiment}:stop").status_code == 200
+        final = api.wait_finished(experiment, timeout=600)
         summary = api.summary(experiment)
-    rounds = total_rounds(cfg)
-    assert final["status"] == "completed" and final["failed_clients"] == [], final
-    assert all(final["worker_states"][str(w)]["state"] == "finished" and final["worker_states"][str(w)]["round"]
-               == rounds for w in range(WORKERS)), final["worker_states"]
+    assert final["status"] == "stopped" and final["failed_clients"] == [], final
+    assert all(final["worker_states"][str(w)]["state"] != "dead" for w in range(WORKERS)), final["worker_states"]
     assert summary["failed_clients"] == [] and summary["clients"] == CLIENTS, summary
-    assert summary["cluster_ari"] >= 0.9, summary
     assert stack.services["worker-2"].pid == paused  # the same process came back: nothing restarted it

@@ -144,11 +144,14 @@ def lower_median(values: Tensor, valid: Tensor) -> Tensor:
 
 def cluster_scales(distance: Tensor, informative: Tensor, reach: Tensor) -> Tensor:
     """[M, k]: each row's scale of each cluster, the lower median of its informative arrivals' distances and of r_i
-    (how far its own training moved it): a liar among them cannot raise it, nor one arrival alone."""
+    (how far its own training moved it), and never below r_i: a liar among them cannot raise it, nor one arrival
+    alone, and where the copies agree (distances at the level of the float noise of |n|^2 + |c|^2 - 2 c.n) the scale
+    is a training step, not that noise."""
     m, s, k = distance.shape
     spread = torch.cat([distance.transpose(1, 2), reach.double().view(m, 1, 1).expand(m, k, 1)], 2)  # [M, k, S + 1]
     valid = torch.cat([informative.transpose(1, 2), torch.ones(m, k, 1, dtype=torch.bool, device=reach.device)], 2)
-    return lower_median(spread.reshape(m * k, s + 1), valid.reshape(m * k, s + 1)).view(m, k)
+    median = lower_median(spread.reshape(m * k, s + 1), valid.reshape(m * k, s + 1)).view(m, k)
+    return torch.maximum(median, reach.double().unsqueeze(1))  # never below r_i: where copies agree, float noise
 
 
 def step_products(values: Mapping[str, Tensor], screen: Screen) -> Tensor:
@@ -166,10 +169,11 @@ def step_products(values: Mapping[str, Tensor], screen: Screen) -> Tensor:
 
 
 def behind_own_step(num: Mapping[str, Tensor], den: Tensor, own_num: Mapping[str, Tensor], own_den: Tensor,
-                    screen: Screen) -> Tensor:
-    """[M, S] bool: message s's estimate of row i's own cluster lies more than BEHIND own steps behind the row's
-    own estimate along its own step: (e - c_i) . step_i < -BEHIND |step_i|^2 (a row holds weight of its own cluster:
-    it trained it)."""
+                    screen: Screen, spread: Tensor) -> Tensor:
+    """[M, S] bool: message s's estimate of row i's own cluster lies more than BEHIND own steps (or BEHIND times the
+    cluster's scale `spread` [M], where its copies lie farther apart than a step) behind the row's own estimate
+    along its own step: (e - c_i) . step_i < -BEHIND |step_i| max(|step_i|, spread_i) (a row holds weight of its own
+    cluster: it trained it)."""
     assert screen.step is not None
     rows = torch.arange(screen.clusters.shape[0], device=screen.clusters.device)
     own = screen.clusters
@@ -182,7 +186,7 @@ def behind_own_step(num: Mapping[str, Tensor], den: Tensor, own_num: Mapping[str
         step_sq += step.pow(2).sum(1).double()
     centre_step /= own_den[rows, own].double().clamp_min(MIN_WEIGHT)
     along = step_products(num, screen) / arrived_den - centre_step.unsqueeze(1)
-    return along < -BEHIND * step_sq.unsqueeze(1)
+    return along < -BEHIND * (step_sq.sqrt() * torch.maximum(step_sq.sqrt(), spread)).unsqueeze(1)
 
 
 def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen) -> Tensor:
@@ -241,7 +245,7 @@ def models_behind_own_step(models: Mapping[str, Tensor], part: Tensor, screen: S
     anchor_step, step_sq = step_terms(screen)
     along = step_products_of_models(models, screen) - (anchor_step + step_sq).unsqueeze(1)
     own = part.unsqueeze(0) == screen.clusters.unsqueeze(1)
-    return own & (along < -BEHIND * step_sq.unsqueeze(1))
+    return own & (along < -BEHIND * screen.drift * step_sq.unsqueeze(1))  # drift: the merge's scale, as its radius
 
 
 def screened_arrivals(delivered: Tensor, part: Tensor, models: Mapping[str, Tensor], screen: Screen) -> Tensor:
@@ -318,10 +322,12 @@ def screened_mix(num: dict[str, Tensor], den: Tensor, delivered: Tensor, arrived
     informative = delivered.unsqueeze(2) & (clean > MIN_WEIGHT).unsqueeze(0)  # [M, S, k]
     distance = estimate_distances(arrived_num, arrived_den, num, den, screen.anchor)  # [M, S, k]
     distance = medoid_centred(distance, informative, den, arrived_num, arrived_den)
-    keep = informative & (distance <= screen.radius * cluster_scales(distance, informative, screen.reach).unsqueeze(1))
+    scales = cluster_scales(distance, informative, screen.reach)  # [M, k]
+    keep = informative & (distance <= screen.radius * scales.unsqueeze(1))
     rows = torch.arange(m, device=den.device)
     if screen.step is not None:
-        keep[rows, :, screen.clusters] &= ~behind_own_step(arrived_num, arrived_den, num, den, screen)
+        keep[rows, :, screen.clusters] &= ~behind_own_step(arrived_num, arrived_den, num, den, screen,
+                                                           scales[rows, screen.clusters])
     if screen.test is not None:
         keep = data_screened(num, den, delivered, arrived_num, arrived_den, clean, scale, keep, screen)
     dropped = int((informative & ~keep).sum())
