@@ -29,6 +29,8 @@ from resumable_runs import commit
 from dfca.algorithms import schedule_of
 from dfca.simulator import Simulation, prepare
 
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"  # wherever it is run from
+
 
 def accuracy(sim: Simulation) -> float:
     return round(float(sim.algorithm.evaluate().test_accuracy.mean()), 4)
@@ -40,7 +42,7 @@ def main() -> None:
     p.add_argument("--traffic", choices=["lean", "full"], default="lean")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("docs/results/screen_cost_runs.jsonl"))
+    p.add_argument("--out", type=Path, default=RESULTS / "screen_cost_runs.jsonl")
     args = p.parse_args()
     torch.set_num_threads(1)
     setting = SETTINGS[args.setting]
