@@ -10,14 +10,15 @@ or an estimate num/den far from everyone else's, decides the result alone (one f
   clusters. A den outside is clamped, then the pair is scaled down to the budget (num with it: the estimate is kept,
   its weight is not): a liar weighs no more than one honest client, however it spreads its weight.
 - the estimate e_sj = num_sj / den_sj: honest copies of cluster j are mixes of models trained from nearby starting
-  points, so they lie near each other. Receiver i centres cluster j on its own estimate c_ij (its anchor, last
-  round's model, while it holds no weight of j) and measures its scale s_i: the lower median of the distances
-  |e_sj - c_ij| of all its informative arrivals this step, and of r_i = |trained theta_{i,c(i)} - anchor_{i,c(i)}|
-  (how far its own training moved its model). An arrival farther than `radius` x s_i is dropped (weight 0). A
-  minority of liars cannot raise the median; honest neighbours whose models drifted apart between consensus
-  rounds raise it together, so drift drops no honest model.
+  points, so they lie near each other. Receiver i centres cluster j on its own estimate c_ij (while it holds no
+  weight of j: on the medoid of its arrivals of j, or its anchor, last round's model, with fewer than two) and
+  measures that cluster's scale s_ij: the lower median of the distances |e_sj - c_ij| of its informative arrivals
+  this step and of r_i = |trained theta_{i,c(i)} - anchor_{i,c(i)}| (how far its own training moved its model),
+  never below r_i. An arrival farther than `radius` x s_ij is dropped (weight 0). A minority of liars cannot raise
+  the median; honest neighbours whose models drifted apart between consensus rounds raise it together.
 - for its own cluster c(i) the receiver also knows the direction training goes and has data: an estimate more than
-  BEHIND x |step_i| behind its own estimate along its own step is dropped (a lie that undoes training), and the
+  BEHIND x max(|step_i|, s_ic(i)) behind its own estimate along its own step is dropped (a lie that undoes
+  training), and the
   mix it would fold is tested on its own samples (`test`, the algorithm's): where the mix is much worse than its
   anchor, each kept arrival of that cluster is tested alone and the failing ones dropped (the honest mix passes,
   so the data test costs one loss per row and step, not one per arrival).
@@ -59,7 +60,7 @@ class Screen:
     trim: float = 0.0  # > 0: the estimate is the coordinate-wise trimmed mean of what was kept, this cut per end
     step: dict[str, Tensor] | None = None  # [M, ...]: this round's training step of each row's own model
     radius: float = 2.0  # an arrival farther than radius x the row's scale from its centre is dropped
-    drift: float = 1.0  # one-hop merges: the scale is r_i x drift (1 + rounds since the last consensus)
+    drift: float = 1.0  # one-hop merges: the scale is r_i x drift (rounds since the clients last agreed, >= 1)
     cached: dict[str, Tensor] = field(default_factory=dict, repr=False)  # what the round's arrivals share, once
 
 
@@ -178,12 +179,11 @@ def behind_own_step(num: Mapping[str, Tensor], den: Tensor, own_num: Mapping[str
     rows = torch.arange(screen.clusters.shape[0], device=screen.clusters.device)
     own = screen.clusters
     arrived_den = den[:, own].T.double().clamp_min(MIN_WEIGHT)  # [M, S]
+    _, step_sq = step_terms(screen)
     centre_step = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
-    step_sq = torch.zeros_like(centre_step)
     for n, v in own_num.items():
         step = screen.step[n].reshape(rows.shape[0], -1)
         centre_step += (v[rows, own].reshape(rows.shape[0], -1) * step).sum(1).double()
-        step_sq += step.pow(2).sum(1).double()
     centre_step /= own_den[rows, own].double().clamp_min(MIN_WEIGHT)
     along = step_products(num, screen) / arrived_den - centre_step.unsqueeze(1)
     return along < -BEHIND * (step_sq.sqrt() * torch.maximum(step_sq.sqrt(), spread)).unsqueeze(1)
