@@ -64,7 +64,7 @@ from dfca.core.consensus import (
     source_weights,
 )
 from dfca.core.params import gather_clusters
-from dfca.core.screened_gossip import Screen, screened_arrivals
+from dfca.core.screened_gossip import MergeFolds, Screen, screened_arrivals
 from dfca.core.seeding import SeedCandidates, first_slot_scores, fit_scores, refused_candidates, responds_to_input
 from dfca.models.batched import Params
 from dfca.run_size import SCREEN_COPIES
@@ -300,6 +300,7 @@ class DFCA(Algorithm):
         self.consensus: WalkConsensus | RoundedWalkConsensus | StepConsensus | None = None
         self.seeds: SeedCandidates | None = None
         self.merge_screen: Screen | None = None  # what the open one-hop merge screens arrivals against
+        self.merge_folds: MergeFolds | None = None  # its folded arrivals, for the data test at its end
 
     def exchanges(self, t: int) -> list[Exchange]:
         if self.schedule.seeding(t) is not None:
@@ -351,6 +352,10 @@ class DFCA(Algorithm):
             if self.sizes is not None:
                 self.weight *= self.sizes.unsqueeze(1)
             self.merge_screen = self.screen(anchor, t) if anchor is not None else None
+            if self.merge_screen is not None:
+                rows = torch.arange(len(self.ctx.clients), device=self.ctx.device)
+                self.merge_folds = MergeFolds({n: v[rows, self.assigned] for n, v in self.params.items()},
+                                              self.weight[rows, self.assigned].clone())
 
     def screen(self, anchor: Params, t: int) -> Screen:
         """What round t's gossip or merge screens arrivals against (core.screened_gossip): last round's models, the
@@ -435,6 +440,8 @@ class DFCA(Algorithm):
             self.screened += int((inbox.delivered & ~delivered).sum())
         arrivals = delivered if self.sizes is None else delivered * inbox.tensors["samples"].unsqueeze(0)
         fold_models(self.params, self.weight, arrivals, inbox.part, inbox.tensors)  # eq. 7/8, n-weighted
+        if self.merge_folds is not None:
+            self.merge_folds.add(arrivals, inbox.part, inbox.tensors, self.assigned)
         return int(inbox.delivered.sum())  # taken, folded or screened out
 
     def candidate_check(self, rows: Tensor, candidates: Params) -> Tensor:
@@ -459,6 +466,9 @@ class DFCA(Algorithm):
         if ex.name == "gossip":
             assert self.consensus is not None
             self.consensus.step()
+        elif self.merge_folds is not None and self.merge_screen is not None:  # the merge's data test
+            self.screened += self.merge_folds.settle(self.params, self.weight, self.merge_screen)
+            self.merge_folds = None
 
     def end_round(self, t: int) -> None:
         if (step := self.schedule.seeding(t)) is not None:
@@ -468,7 +478,7 @@ class DFCA(Algorithm):
             self.seeds.install(self.params, step.slot)
             if t + 1 == self.schedule.seeding_rounds:
                 self.seeds = None  # the local models are no longer needed
-        self.merge_screen = None
+        self.merge_screen = self.merge_folds = None
         if step is None and self.consensus is not None:
             self.consensus.finish(self.params)
             if isinstance(self.consensus, StepConsensus):

@@ -27,7 +27,9 @@ A dropped arrival counts as (0, 0): the step's divisor (1 + arrivals) is kept, s
 the estimate num/den is a mix of the accepted copies only. The one-hop merges (`screened_arrivals`) arrive one at a
 time, so their scale cannot wait for the others: a model is kept within `radius` x r_i x `drift` of the row's own
 model of that cluster, `drift` growing with the rounds since the last consensus (neighbours' models part by about a
-training step a round between them).
+training step a round between them). Their data test waits for the merge's end (`MergeFolds`): the model a row's
+kept arrivals made together is tested once, and each of them alone only in the rows where that fails, so a merge
+costs one loss per row, as a gossip step does, however its arrivals were batched.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from dfca.core.aggregation import fold_models
 from dfca.core.ratio import MIN_WEIGHT, trailing
 
 BLOCK_FLOATS = 1 << 25  # parameter values of tested estimates formed at once (128 MiB of float32)
@@ -155,17 +158,40 @@ def cluster_scales(distance: Tensor, informative: Tensor, reach: Tensor) -> Tens
     return torch.maximum(median, reach.double().unsqueeze(1))  # never below r_i: where copies agree, float noise
 
 
+def own_rows(v: Tensor, clusters: Tensor) -> Tensor:
+    """[M, ...]: v[i, clusters[i]] of v [M, k, ...], taken as rows of the flat [M k, ...] view (one index_select)."""
+    m, k = v.shape[0], v.shape[1]
+    index = torch.arange(m, device=v.device) * k + clusters
+    return v.reshape(m * k, *v.shape[2:]).index_select(0, index)
+
+
+def cluster_steps(screen: Screen, name: str) -> list[tuple[int, Tensor, Tensor]]:
+    """Per cluster j some row trained: (j, those rows [Mj], their steps of tensor `name` [Mj, F]), taken once a
+    round."""
+    assert screen.step is not None
+    m = screen.clusters.shape[0]
+    if "trained" not in screen.cached:
+        screen.cached["trained"] = screen.clusters.unique()
+    out = []
+    for j in screen.cached["trained"].tolist():
+        if f"rows.{j}" not in screen.cached:
+            screen.cached[f"rows.{j}"] = (screen.clusters == j).nonzero().squeeze(1)
+        rows = screen.cached[f"rows.{j}"]
+        if f"step.{name}.{j}" not in screen.cached:
+            screen.cached[f"step.{name}.{j}"] = screen.step[name].reshape(m, -1).index_select(0, rows)
+        out.append((j, rows, screen.cached[f"step.{name}.{j}"]))
+    return out
+
+
 def step_products(values: Mapping[str, Tensor], screen: Screen) -> Tensor:
     """[M, S]: values[s, c(i)] . step_i for every row i and message s (values [S, k, ...]), one product per cluster
     over the rows that trained it."""
-    assert screen.step is not None
     m, s = screen.clusters.shape[0], next(iter(values.values())).shape[0]
     out = torch.zeros(m, s, dtype=torch.float64, device=screen.clusters.device)
-    for j in screen.clusters.unique().tolist():
-        rows = (screen.clusters == j).nonzero().squeeze(1)
-        for n, v in values.items():
-            step = screen.step[n].index_select(0, rows).reshape(rows.shape[0], -1)
-            out[rows] += (step @ v[:, j].reshape(s, -1).to(step.dtype).T).double()
+    for n, v in values.items():
+        clusters = by_cluster(v)  # [k, S, F], a view
+        for j, rows, step in cluster_steps(screen, n):
+            out[rows] += (step @ clusters[j].to(step.dtype).T).double()
     return out
 
 
@@ -183,7 +209,7 @@ def behind_own_step(num: Mapping[str, Tensor], den: Tensor, own_num: Mapping[str
     centre_step = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
     for n, v in own_num.items():
         step = screen.step[n].reshape(rows.shape[0], -1)
-        centre_step += (v[rows, own].reshape(rows.shape[0], -1) * step).sum(1).double()
+        centre_step += (own_rows(v, own).reshape(rows.shape[0], -1) * step).sum(1).double()
     centre_step /= own_den[rows, own].double().clamp_min(MIN_WEIGHT)
     along = step_products(num, screen) / arrived_den - centre_step.unsqueeze(1)
     return along < -BEHIND * (step_sq.sqrt() * torch.maximum(step_sq.sqrt(), spread)).unsqueeze(1)
@@ -251,16 +277,64 @@ def models_behind_own_step(models: Mapping[str, Tensor], part: Tensor, screen: S
 def screened_arrivals(delivered: Tensor, part: Tensor, models: Mapping[str, Tensor], screen: Screen) -> Tensor:
     """[M, S] bool: the one-hop merge's arrivals (message s a model of cluster part[s]) row i keeps: within
     radius x r_i x drift of its own model of that cluster as training left it, and, for its own cluster, no more than
-    BEHIND own steps behind it along its own step and passing the data test. Each arrival is judged alone (they are
-    folded one at a time as they arrive)."""
+    BEHIND own steps behind it along its own step. Each arrival is judged alone (they are folded one at a time as
+    they arrive); the data test waits for the merge's end (`MergeFolds`)."""
     limit = screen.radius * screen.drift * screen.reach
     keep = delivered & (message_distances(models, part, screen) <= limit.unsqueeze(1))
     if screen.step is not None:
         keep &= ~models_behind_own_step(models, part, screen)
-    rows, cols = (keep & (part.unsqueeze(0) == screen.clusters.unsqueeze(1))).nonzero(as_tuple=True)
-    if rows.numel() and screen.test is not None:
-        keep[rows, cols] = data_checks(rows, cols, models, None, screen.test)
     return keep
+
+
+@dataclass
+class MergeFolds:
+    """A one-hop merge's folded arrivals of each row's own cluster, kept until the merge ends for the data test.
+
+    The test is the gossip step's: one loss per row on the model its kept arrivals made together, and each of them
+    alone only in the rows where that fails; a failing row's own model is then folded again from where training
+    left it with the arrivals that pass. What the merge ends at does not depend on how its arrivals were batched."""
+
+    trained: dict[str, Tensor]  # [M, ...]: each row's model of its own cluster as training left it
+    weight: Tensor  # [M]: the weight that copy carried when the merge opened
+    folded: list[tuple[Tensor, Tensor, Mapping[str, Tensor]]] = field(default_factory=list)
+    # each batch's (arrivals [M, S] of the rows' own clusters only, part [S], the messages' models)
+
+    def add(self, arrivals: Tensor, part: Tensor, models: Mapping[str, Tensor], own: Tensor) -> None:
+        mine = arrivals * (part.unsqueeze(0) == own.unsqueeze(1)).to(arrivals.dtype)
+        if bool((mine > 0).any()):
+            self.folded.append((mine, part, models))
+
+    def settle(self, params: dict[str, Tensor], weight: Tensor, screen: Screen) -> int:
+        """Tests each row's merged own model on its data; refolds the rows that fail without the arrivals that fail
+        alone (params and weight in place). Returns how many arrivals were dropped."""
+        if not self.folded or screen.test is None:
+            return 0
+        own = screen.clusters
+        touched = torch.stack([(a > 0).any(1) for a, _, _ in self.folded]).any(0)  # [M]
+        rows = touched.nonzero().squeeze(1)
+        merged = {n: v[rows, own[rows]] for n, v in params.items()}
+        failing = rows[~screen.test(rows, merged)]
+        if not failing.numel():
+            return 0
+        redo = torch.zeros_like(touched)
+        redo[failing] = True
+        dropped = 0
+        passing: list[Tensor] = []
+        for arrivals, _, models in self.folded:
+            a = arrivals * redo.unsqueeze(1).to(arrivals.dtype)
+            r, c = (a > 0).nonzero(as_tuple=True)
+            if r.numel():
+                ok = data_checks(r, c, models, None, screen.test)
+                dropped += int((~ok).sum())
+                a = a.clone()
+                a[r[~ok], c[~ok]] = 0
+            passing.append(a)
+        for n, v in params.items():  # the failing rows' own model as training left it, at its opening weight
+            v[failing, own[failing]] = self.trained[n][failing].to(v.dtype)
+        weight[failing, own[failing]] = self.weight[failing].to(weight.dtype)
+        for a, (_, part, models) in zip(passing, self.folded, strict=True):
+            fold_models(params, weight, a, part, models)
+        return dropped
 
 
 def mixed(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arrived_num: Mapping[str, Tensor],
@@ -328,58 +402,44 @@ def screened_mix(num: dict[str, Tensor], den: Tensor, delivered: Tensor, arrived
     if screen.step is not None:
         keep[rows, :, screen.clusters] &= ~behind_own_step(arrived_num, arrived_den, num, den, screen,
                                                            scales[rows, screen.clusters])
+    out, new_den = mixed(num, den, delivered, arrived_num, clean, scale, keep)
     if screen.test is not None:
-        keep = data_screened(num, den, delivered, arrived_num, arrived_den, clean, scale, keep, screen)
+        keep, out, new_den = data_screened(num, den, delivered, arrived_num, arrived_den, clean, scale, keep, screen,
+                                           out, new_den)
     dropped = int((informative & ~keep).sum())
     if screen.trim > 0:
         rows_, cols = delivered.nonzero(as_tuple=True)
-        new_den = (den + (keep.to(den.dtype) * clean.to(den.dtype).unsqueeze(0)).sum(1)) / trailing(
-            delivered.sum(1).to(den.dtype) + 1, den)
         est = trimmed_estimates(num, den, arrived_num, arrived_den, rows_, cols, keep[rows_, cols], screen.trim)
         return {n: v * trailing(new_den.to(v.dtype), v) for n, v in est.items()}, new_den, dropped
-    out, new_den = mixed(num, den, delivered, arrived_num, clean, scale, keep)
     return out, new_den, dropped
 
 
-def own_mix(num: Mapping[str, Tensor], den: Tensor, arrived_num: Mapping[str, Tensor], clean: Tensor, scale: Tensor,
-            keep: Tensor, own: Tensor) -> tuple[dict[str, Tensor], Tensor]:
-    """([M, ...], [M]): each row's num and den of its own cluster with the kept arrivals added (not divided: only
-    their ratio, the estimate, is used), one product per cluster over the rows that trained it."""
-    rows = torch.arange(den.shape[0], device=den.device)
-    out_den = den[rows, own].clone()
-    out = {n: v[rows, own].clone() for n, v in num.items()}
-    for j in own.unique().tolist():
-        at = (own == j).nonzero().squeeze(1)
-        w = keep[at, :, j].to(den.dtype)  # [Mj, S]
-        out_den[at] += w @ clean[:, j].to(den.dtype)
-        for n, v in out.items():
-            src = arrived_num[n][:, j].reshape(scale.shape[0], -1).to(v.dtype)
-            v[at] += ((w * scale[:, j].to(den.dtype)).to(v.dtype) @ src).reshape(at.shape[0], *v.shape[1:])
-    return out, out_den
-
-
 def data_screened(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arrived_num: Mapping[str, Tensor],
-                  arrived_den: Tensor, clean: Tensor, scale: Tensor, keep: Tensor, screen: Screen) -> Tensor:
-    """keep [M, S, k] less the arrivals of a row's own cluster that fail the data test alone, tested only in the rows
-    whose mix of their own cluster fails it (one loss per row, and per arrival only where a liar hides)."""
+                  arrived_den: Tensor, clean: Tensor, scale: Tensor, keep: Tensor, screen: Screen,
+                  out: dict[str, Tensor], new_den: Tensor) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+    """(keep, num', den'): the mix (out, new_den) of `keep`, tested on each row's data for its own cluster; in the
+    rows whose mix fails, each kept arrival of that cluster is tested alone, the failing ones dropped, and the mix
+    made again (one loss per row, and per arrival only where a liar hides)."""
     assert screen.test is not None
     rows = torch.arange(den.shape[0], device=den.device)
     own = screen.clusters
-    mix_num, mix_den = own_mix(num, den, arrived_num, clean, scale, keep, own)
+    mix_den = new_den[rows, own]
     held = mix_den > MIN_WEIGHT
-    failing = rows[held & ~screen.test(rows, {n: v / trailing(mix_den.clamp_min(MIN_WEIGHT).to(v.dtype), v)
-                                               for n, v in mix_num.items()})]
+    estimate = {n: own_rows(v, own) / trailing(mix_den.clamp_min(MIN_WEIGHT).to(v.dtype), v[:, 0])
+                for n, v in out.items()}
+    failing = rows[held & ~screen.test(rows, estimate)]
     if not failing.numel():
-        return keep
+        return keep, out, new_den
     k = den.shape[1]
     sub = keep[failing, :, own[failing]]  # [F, S]
     fr, cols = sub.nonzero(as_tuple=True)
-    if fr.numel():
-        r = failing[fr]
-        values = {n: v.reshape(-1, *v.shape[2:]) for n, v in arrived_num.items()}
-        keep = keep.clone()
-        keep[r, cols, own[r]] = data_checks(r, cols * k + own[r], values, arrived_den.reshape(-1), screen.test)
-    return keep
+    if not fr.numel():
+        return keep, out, new_den
+    r = failing[fr]
+    values = {n: v.reshape(-1, *v.shape[2:]) for n, v in arrived_num.items()}
+    keep = keep.clone()
+    keep[r, cols, own[r]] = data_checks(r, cols * k + own[r], values, arrived_den.reshape(-1), screen.test)
+    return keep, *mixed(num, den, delivered, arrived_num, clean, scale, keep)
 
 
 def trimmed_estimates(num: Mapping[str, Tensor], den: Tensor, arr_num: Mapping[str, Tensor], arr_den: Tensor,
