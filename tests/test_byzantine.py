@@ -112,43 +112,44 @@ def test_an_estimate_against_the_receivers_own_training_step_is_dropped() -> Non
                           torch.cat([step.unsqueeze(1), honest]).mean(0, keepdim=True), atol=1e-6)
     # one-hop merges: the same direction test against the row's trained model, and the radius
     models = {"w": torch.cat([arrived[:, 0], torch.full((1, 8), 50.0)])}
-    kept = screened_arrivals(torch.ones(1, 5, dtype=torch.bool), torch.zeros(5, dtype=torch.long), models, screen)
+    kept, _ = screened_arrivals(torch.ones(1, 5, dtype=torch.bool), torch.zeros(5, dtype=torch.long), models, screen)
     assert kept.tolist() == [[True, True, True, False, False]]
 
 
-@pytest.mark.parametrize("batches", [[[0, 1, 2, 3]], [[0], [1], [2], [3]], [[3, 1], [0, 2]]])
-def test_a_merge_data_test_drops_what_fails_alone_where_the_merged_model_fails_however_it_was_batched(
-        batches: list[list[int]]) -> None:
-    """A one-hop merge folds its arrivals as they come and tests each row's merged own model on its data when the
-    merge ends: row 0's merge took a model that fails the test (it sits within the distance screen's reach), so
-    that row is folded again from its trained model without it; row 1's merge of honest models passes and stays.
-    The result does not depend on how the arrivals were batched."""
+@pytest.mark.parametrize("batches", [[[0, 1, 2, 3, 4]], [[0], [1], [2], [3], [4]], [[4, 1], [0, 3, 2]]])
+def test_a_merge_end_drops_the_far_and_the_worse_on_data_whatever_the_batching(batches: list[list[int]]) -> None:
+    """A one-hop merge folds its arrivals as they come; at its end each row's scale is the median of its arrivals'
+    distances, and an arrival far beyond it is dropped, as is one of its own cluster much worse on its data than its
+    peers; the rows that lost one are folded again from where the merge opened. The result does not depend on how
+    the arrivals were batched."""
     trained = torch.tensor([[0.1, 0.1], [0.2, 0.2]])
-    models = {"w": torch.tensor([[0.12, 0.1], [0.1, 0.08], [0.14, 0.12], [2.0, 2.0]])}  # the last one fails alone
-    part = torch.zeros(4, dtype=torch.long)
-    delivered = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+    honest = torch.tensor([[0.12, 0.1], [0.1, 0.08], [0.14, 0.12]])
+    far = torch.tensor([[1.5, -1.5]])  # ten times the others' distance: within the loose bound it was folded under
+    worse = torch.tensor([[0.14, 0.19]])  # near, but its loss is far above its peers'
+    models = {"w": torch.cat([honest, far, worse])}
+    part = torch.zeros(5, dtype=torch.long)
+    delivered = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0, 0.0]])
 
-    def fits(rows: torch.Tensor, estimates: dict[str, torch.Tensor]) -> torch.Tensor:
-        return estimates["w"].reshape(rows.shape[0], -1).mean(1) < 0.3
+    def loss(rows: torch.Tensor, estimates: dict[str, torch.Tensor]) -> torch.Tensor:
+        w = estimates["w"].reshape(rows.shape[0], -1)
+        return 1 + 10 * (w[:, 1] - w[:, 0]).clamp_min(0)  # the honest ones 1, the worse one 1.5
 
-    anchor = {"w": torch.stack([trained, trained], 1) - 0.05}
-    screen = Screen(anchor, torch.full((2,), 0.05), torch.zeros(2, dtype=torch.long), 1.0, fits, 0.0,
-                    {"w": torch.full((2, 2), 0.05)})
-    params = {"w": torch.stack([trained, trained], 1).clone()}
-    weight = torch.ones(2, 2)
-    folds = MergeFolds({"w": trained.clone()}, weight[:, 0].clone())
+    screen = Screen({"w": trained.unsqueeze(1) - 0.05}, torch.full((2,), 0.05), torch.zeros(2, dtype=torch.long), 1.0,
+                    None, 0.0, {"w": torch.full((2, 2), 0.05)}, loss=loss, loss_limit=torch.full((2,), 10.0))
+    params = {"w": trained.unsqueeze(1).clone()}
+    weight = torch.ones(2, 1)
+    folds = MergeFolds({"w": params["w"].clone()}, weight.clone())
     for cols in batches:
         index = torch.tensor(cols)
         arrivals = delivered.index_select(1, index)
         batch = {"w": models["w"].index_select(0, index)}
+        distance = (batch["w"].unsqueeze(0) - trained.unsqueeze(1)).norm(dim=2)  # [M, S]
         fold_models(params, weight, arrivals, part.index_select(0, index), batch)
-        folds.add(arrivals, part.index_select(0, index), batch, screen.clusters)
-    assert folds.settle(params, weight, screen) == 1
-    honest = models["w"][:3]
+        folds.add(arrivals, part.index_select(0, index), batch, distance)
+    assert folds.settle(params, weight, screen) == 2
     assert torch.allclose(params["w"][0, 0], (trained[0] + honest.sum(0)) / 4, atol=1e-6)
-    assert torch.allclose(params["w"][1, 0], (trained[1] + honest.sum(0)) / 4, atol=1e-6)
+    assert torch.allclose(params["w"][1, 0], (trained[1] + honest.sum(0)) / 4, atol=1e-6)  # nothing dropped here
     assert weight[:, 0].tolist() == [4.0, 4.0]
-    assert torch.equal(params["w"][:, 1], torch.stack([trained, trained], 1)[:, 1])  # the other cluster: no arrivals
 
 
 def test_the_trimmed_mean_cuts_the_ends_of_each_coordinate() -> None:

@@ -353,9 +353,7 @@ class DFCA(Algorithm):
                 self.weight *= self.sizes.unsqueeze(1)
             self.merge_screen = self.screen(anchor, t) if anchor is not None else None
             if self.merge_screen is not None:
-                rows = torch.arange(len(self.ctx.clients), device=self.ctx.device)
-                self.merge_folds = MergeFolds({n: v[rows, self.assigned] for n, v in self.params.items()},
-                                              self.weight[rows, self.assigned].clone())
+                self.merge_folds = MergeFolds({n: v.clone() for n, v in self.params.items()}, self.weight.clone())
 
     def screen(self, anchor: Params, t: int) -> Screen:
         """What round t's gossip or merge screens arrivals against (core.screened_gossip): last round's models, the
@@ -368,10 +366,13 @@ class DFCA(Algorithm):
         step = {n: v[rows, self.assigned] - anchor[n][rows, self.assigned] for n, v in self.params.items()}
         reach = torch.stack([v.reshape(len(rows), -1).double().pow(2).sum(1) for v in step.values()]).sum(0).sqrt()
         reach = reach.clamp_min(1e-6)  # |step_i|: how far this round's training moved each client's own model
-        self.anchor_loss = self.sample_loss(rows, gather_clusters(anchor, self.assigned))
+        before = self.sample_loss(rows, gather_clusters(anchor, self.assigned))  # x: last round's model's loss
+        self.loss_limit = torch.minimum(torch.maximum((1 + d.screen_loss) * before, before + d.screen_loss),
+                                        torch.full_like(before, math.log(self.data().num_classes)))
         return Screen(anchor, reach.to(self.ctx.device), self.assigned, 1 + (self.k - 1) * d.untrained_weight,
                       self.fits_own_data, d.screen_trim, step, d.screen_radius,
-                      float(self.schedule.rounds_since_agreement(t)))
+                      float(self.schedule.rounds_since_agreement(t)), loss=self.sample_loss,
+                      loss_limit=self.loss_limit)
 
     def sample_loss(self, rows: Tensor, models: Params) -> Tensor:
         """[R]: the loss of models [R, ...] on the first SCREEN_SAMPLES training samples of each row."""
@@ -382,11 +383,7 @@ class DFCA(Algorithm):
         """[P] bool: each estimate of row `rows[p]`'s own cluster is not much worse on that row's samples than its
         model of last round (loss x): at most max((1 + screen_loss) x, x + screen_loss), and below chance
         (ln classes)."""
-        tol = self.ctx.cfg.dfca.screen_loss
-        before = self.anchor_loss.index_select(0, rows)
-        limit = torch.minimum(torch.maximum((1 + tol) * before, before + tol),
-                              torch.full_like(before, math.log(self.data().num_classes)))
-        return self.sample_loss(rows, estimates) <= limit
+        return self.sample_loss(rows, estimates) <= self.loss_limit.index_select(0, rows)
 
     def local_models(self, t: int) -> Params:
         """phi_i, the seeding's local model: client i's copy of cluster 0 after `seed_epochs` epochs on D_i."""
@@ -435,13 +432,14 @@ class DFCA(Algorithm):
             assert self.consensus is not None
             return self.consensus.receive(inbox.delivered, inbox.tensors)
         delivered = inbox.delivered
+        distance = None
         if self.merge_screen is not None:  # a robust one-hop merge, screened like a gossip step
-            delivered = screened_arrivals(delivered, inbox.part, inbox.tensors, self.merge_screen)
+            delivered, distance = screened_arrivals(delivered, inbox.part, inbox.tensors, self.merge_screen)
             self.screened += int((inbox.delivered & ~delivered).sum())
         arrivals = delivered if self.sizes is None else delivered * inbox.tensors["samples"].unsqueeze(0)
         fold_models(self.params, self.weight, arrivals, inbox.part, inbox.tensors)  # eq. 7/8, n-weighted
-        if self.merge_folds is not None:
-            self.merge_folds.add(arrivals, inbox.part, inbox.tensors, self.assigned)
+        if self.merge_folds is not None and distance is not None:
+            self.merge_folds.add(arrivals, inbox.part, inbox.tensors, distance)
         return int(inbox.delivered.sum())  # taken, folded or screened out
 
     def candidate_check(self, rows: Tensor, candidates: Params) -> Tensor:

@@ -262,6 +262,7 @@ class StepConsensus:
                     dens = torch.cat([d for _, _, d in self.arrivals])
                 self.num, self.den, dropped = screened_mix(self.num, self.den, delivered, nums, dens, self.screen)
                 self.dropped += dropped
+            self.screen.gossip_step += 1
             self.arrivals = []
             return
         scale = self.degree + 1  # in place: what outgoing() handed out was read by the step's receivers already

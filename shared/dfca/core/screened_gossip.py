@@ -8,28 +8,33 @@ or an estimate num/den far from everyone else's, decides the result alone (one f
 - den: the weights m_i (1 for the cluster a client trained, `untrained_weight` for the others) only ever mix, so an
   honest den lies in [0, 1] per cluster and sums to at most budget = 1 + (k - 1) untrained_weight over the k
   clusters. A den outside is clamped, then the pair is scaled down to the budget (num with it: the estimate is kept,
-  its weight is not): a liar weighs no more than one honest client, however it spreads its weight.
+  its weight is not). From a round's second gossip step on, honest dens are mixes that have moved towards each
+  other (towards about 1/k), while a liar can keep claiming 1 and outweigh k honest neighbours: an arrival counts
+  with at most DEN_CAP x the larger of the receiver's own den and the lower median of the arrived dens of that
+  cluster (`capped`).
 - the estimate e_sj = num_sj / den_sj: honest copies of cluster j are mixes of models trained from nearby starting
   points, so they lie near each other. Receiver i centres cluster j on its own estimate c_ij (while it holds no
   weight of j: on the medoid of its arrivals of j, or its anchor, last round's model, with fewer than two) and
   measures that cluster's scale s_ij: the lower median of the distances |e_sj - c_ij| of its informative arrivals
   this step and of r_i = |trained theta_{i,c(i)} - anchor_{i,c(i)}| (how far its own training moved its model),
-  never below r_i. An arrival farther than `radius` x s_ij is dropped (weight 0). A minority of liars cannot raise
-  the median; honest neighbours whose models drifted apart between consensus rounds raise it together.
+  never below r_i. An arrival farther than `radius` x s_ij is dropped (weight 0); at a round's first step, where
+  every honest arrival is a model its sender has just trained and their distances are tight, farther than
+  FIRST_STEP_RADIUS x `radius`. A minority of liars cannot raise the median; honest neighbours whose models drifted
+  apart between consensus rounds raise it together.
 - for its own cluster c(i) the receiver also knows the direction training goes and has data: an estimate more than
   BEHIND x max(|step_i|, s_ic(i)) behind its own estimate along its own step is dropped (a lie that undoes
-  training), and the
-  mix it would fold is tested on its own samples (`test`, the algorithm's): where the mix is much worse than its
-  anchor, each kept arrival of that cluster is tested alone and the failing ones dropped (the honest mix passes,
-  so the data test costs one loss per row and step, not one per arrival).
+  training), and the mix it would fold is tested on its own samples (`test`, the algorithm's): where the mix is much
+  worse than its anchor, each kept arrival of that cluster is tested alone and the failing ones dropped (the honest
+  mix passes, so the data test costs one loss per row and step, not one per arrival).
 
 A dropped arrival counts as (0, 0): the step's divisor (1 + arrivals) is kept, so num and den shrink together and
-the estimate num/den is a mix of the accepted copies only. The one-hop merges (`screened_arrivals`) arrive one at a
-time, so their scale cannot wait for the others: a model is kept within `radius` x r_i x `drift` of the row's own
-model of that cluster, `drift` growing with the rounds since the last consensus (neighbours' models part by about a
-training step a round between them). Their data test waits for the merge's end (`MergeFolds`): the model a row's
-kept arrivals made together is tested once, and each of them alone only in the rows where that fails, so a merge
-costs one loss per row, as a gossip step does, however its arrivals were batched.
+the estimate num/den is a mix of the accepted copies only. The one-hop merges (`screened_arrivals`) are folded as
+they arrive, within a loose bound: `radius` x r_i x `drift` of the row's own model of that cluster, `drift` growing
+with the rounds since the last consensus, and, for its own cluster, not BEHIND x drift own steps behind. The tests
+that need them all wait for the merge's end (`MergeFolds`): each (row, cluster)'s scale is the lower median of its
+arrivals' distances and r_i, as in a gossip step, and an arrival beyond `radius` x that scale is dropped; each
+arrival of the row's own cluster is tested alone on its data, and dropped above the row's limit or above
+MERGE_LOSS_SPREAD x the median loss of its peers; a row that lost one is folded again from where the merge opened.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ from dfca.core.ratio import MIN_WEIGHT, trailing
 
 BLOCK_FLOATS = 1 << 25  # parameter values of tested estimates formed at once (128 MiB of float32)
 BEHIND = 2.0  # an estimate of the row's own cluster this many own steps behind its own estimate is dropped
+FIRST_STEP_RADIUS = 0.8  # a round's first gossip step drops beyond this fraction of the radius
+DEN_CAP = 1.0  # from the second step on, a den counts at most this times the row's reference den
+MERGE_LOSS_SPREAD = 1.3  # a merge's arrival this many times its kept peers' median loss on the row's data is dropped
 
 # (receiver rows [P], their estimates of their own cluster [P, ...]) -> [P] bool: keep the estimate
 EstimateTest = Callable[[Tensor, dict[str, Tensor]], Tensor]
@@ -65,6 +73,9 @@ class Screen:
     radius: float = 2.0  # an arrival farther than radius x the row's scale from its centre is dropped
     drift: float = 1.0  # one-hop merges: the scale is r_i x drift (rounds since the clients last agreed, >= 1)
     cached: dict[str, Tensor] = field(default_factory=dict, repr=False)  # what the round's arrivals share, once
+    gossip_step: int = 0  # the round's gossip steps taken so far
+    loss: EstimateTest | None = None  # [P]: the loss of each estimate of a row's own cluster on that row's samples
+    loss_limit: Tensor | None = None  # [M]: the most a row's loss may be for `test` to pass
 
 
 def anchor_norms(screen: Screen) -> Tensor:
@@ -99,6 +110,20 @@ def budgeted(den: Tensor, budget: float) -> tuple[Tensor, Tensor]:
     clean = clean * (budget / clean.sum(1, keepdim=True).clamp_min(1e-12)).clamp(max=1.0)
     scale = torch.where(den > 0, clean / den.clamp_min(1e-30), torch.zeros_like(den))
     return clean, scale
+
+
+def capped(den: Tensor, clean: Tensor, informative: Tensor, factor: float) -> Tensor:
+    """[M, S, k]: the share of each arrival's den a row counts: its den capped at factor x the larger of the row's own
+    den and the lower median of the informative arrivals' dens of that cluster."""
+    m, s, k = informative.shape
+    values = clean.double().unsqueeze(0).expand(m, s, k).transpose(1, 2).reshape(m * k, s)
+    valid = informative.transpose(1, 2).reshape(m * k, s)
+    some = valid.any(1)
+    median = lower_median(values, valid | ~some.unsqueeze(1)).view(m, k)
+    limit = factor * torch.maximum(torch.where(some.view(m, k), median, torch.zeros_like(median)), den.double())
+    c = clean.double().unsqueeze(0)  # [1, S, k]
+    share = torch.minimum(c, limit.unsqueeze(1)) / c.clamp_min(1e-30)
+    return torch.where(c > 0, share, torch.ones_like(share))
 
 
 def by_cluster(t: Tensor) -> Tensor:
@@ -254,15 +279,15 @@ def data_checks(rows: Tensor, flat: Tensor, values: Mapping[str, Tensor], diviso
     models, no den). Formed block by block (BLOCK_FLOATS values at once)."""
     per_pair = sum(v[0].numel() for v in values.values())
     block = max(1, BLOCK_FLOATS // max(1, per_pair))
-    ok = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+    out: list[Tensor] = []
     for lo in range(0, rows.shape[0], block):
         r, f = rows[lo:lo + block], flat[lo:lo + block]
         est = {n: v.index_select(0, f) for n, v in values.items()}
         if divisor is not None:
             d = divisor.index_select(0, f).clamp_min(MIN_WEIGHT)
             est = {n: v / trailing(d.to(v.dtype), v) for n, v in est.items()}
-        ok[lo:lo + block] = test(r, est)
-    return ok
+        out.append(test(r, est))
+    return torch.cat(out) if out else torch.ones(0, dtype=torch.bool, device=rows.device)
 
 
 def models_behind_own_step(models: Mapping[str, Tensor], part: Tensor, screen: Screen) -> Tensor:
@@ -274,73 +299,92 @@ def models_behind_own_step(models: Mapping[str, Tensor], part: Tensor, screen: S
     return own & (along < -BEHIND * screen.drift * step_sq.unsqueeze(1))  # drift: the merge's scale, as its radius
 
 
-def screened_arrivals(delivered: Tensor, part: Tensor, models: Mapping[str, Tensor], screen: Screen) -> Tensor:
-    """[M, S] bool: the one-hop merge's arrivals (message s a model of cluster part[s]) row i keeps: within
-    radius x r_i x drift of its own model of that cluster as training left it, and, for its own cluster, no more than
-    BEHIND own steps behind it along its own step. Each arrival is judged alone (they are folded one at a time as
-    they arrive); the data test waits for the merge's end (`MergeFolds`)."""
-    limit = screen.radius * screen.drift * screen.reach
-    keep = delivered & (message_distances(models, part, screen) <= limit.unsqueeze(1))
+def screened_arrivals(delivered: Tensor, part: Tensor, models: Mapping[str, Tensor],
+                      screen: Screen) -> tuple[Tensor, Tensor]:
+    """([M, S] bool, [M, S]): the one-hop merge's arrivals (message s a model of cluster part[s]) row i folds as they
+    arrive, within radius x r_i x drift of its own model of that cluster as training left it and, for its own
+    cluster, no more than BEHIND own steps behind it along its own step; and their distances to that model. Each
+    arrival is judged alone (they are folded one at a time as they arrive); the tests that need them all wait for
+    the merge's end (`MergeFolds`)."""
+    distance = message_distances(models, part, screen)
+    keep = delivered & (distance <= (screen.radius * screen.drift * screen.reach).unsqueeze(1))
     if screen.step is not None:
         keep &= ~models_behind_own_step(models, part, screen)
-    return keep
+    return keep, distance
 
 
 @dataclass
 class MergeFolds:
-    """A one-hop merge's folded arrivals of each row's own cluster, kept until the merge ends for the data test.
+    """A one-hop merge's folded arrivals, kept until the merge ends for the tests that need all of them.
 
-    The test is the gossip step's: one loss per row on the model its kept arrivals made together, and each of them
-    alone only in the rows where that fails; a failing row's own model is then folded again from where training
-    left it with the arrivals that pass. What the merge ends at does not depend on how its arrivals were batched."""
+    At the end each (row, cluster) has a scale, as in a gossip step: the lower median of its arrivals' distances and
+    of r_i, never below r_i; an arrival farther than radius x that scale is dropped. Each arrival of the row's own
+    cluster is then tested alone on its data. A row that lost an arrival is folded again from where the merge opened
+    with the ones kept. What the merge ends at does not depend on how its arrivals were batched."""
 
-    trained: dict[str, Tensor]  # [M, ...]: each row's model of its own cluster as training left it
-    weight: Tensor  # [M]: the weight that copy carried when the merge opened
-    folded: list[tuple[Tensor, Tensor, Mapping[str, Tensor]]] = field(default_factory=list)
-    # each batch's (arrivals [M, S] of the rows' own clusters only, part [S], the messages' models)
+    opening: dict[str, Tensor]  # [M, k, ...]: the rows' models when the merge opened (as training left them)
+    weight: Tensor  # [M, k]: the weights they carried then
+    folded: list[tuple[Tensor, Tensor, Mapping[str, Tensor], Tensor]] = field(default_factory=list)
+    # each batch's (arrivals [M, S], part [S], the messages' models, distances [M, S])
 
-    def add(self, arrivals: Tensor, part: Tensor, models: Mapping[str, Tensor], own: Tensor) -> None:
-        mine = arrivals * (part.unsqueeze(0) == own.unsqueeze(1)).to(arrivals.dtype)
-        if bool((mine > 0).any()):
-            self.folded.append((mine, part, models))
+    def add(self, arrivals: Tensor, part: Tensor, models: Mapping[str, Tensor], distance: Tensor) -> None:
+        if bool((arrivals > 0).any()):
+            self.folded.append((arrivals, part, models, distance))
 
     def settle(self, params: dict[str, Tensor], weight: Tensor, screen: Screen) -> int:
-        """Tests each row's merged own model on its data; refolds the rows that fail without the arrivals that fail
-        alone (params and weight in place). Returns how many arrivals were dropped."""
-        if not self.folded or screen.test is None:
+        """Drops what the merge's end tests fail and refolds the rows that lost some (params and weight in place).
+        Returns how many arrivals were dropped."""
+        if not self.folded:
             return 0
-        own = screen.clusters
-        touched = torch.stack([(a > 0).any(1) for a, _, _ in self.folded]).any(0)  # [M]
-        rows = touched.nonzero().squeeze(1)
-        merged = {n: v[rows, own[rows]] for n, v in params.items()}
-        failing = rows[~screen.test(rows, merged)]
-        if not failing.numel():
-            return 0
-        redo = torch.zeros_like(touched)
-        redo[failing] = True
-        dropped = 0
-        passing: list[Tensor] = []
-        for arrivals, _, models in self.folded:
-            a = arrivals * redo.unsqueeze(1).to(arrivals.dtype)
-            r, c = (a > 0).nonzero(as_tuple=True)
+        arrived = torch.cat([a > 0 for a, _, _, _ in self.folded], 1)  # [M, S]
+        part = torch.cat([p for _, p, _, _ in self.folded])
+        distance = torch.cat([d for _, _, _, d in self.folded], 1)
+        k = self.weight.shape[1]
+        informative = arrived.unsqueeze(2) & torch.nn.functional.one_hot(part, k).bool().unsqueeze(0)  # [M, S, k]
+        scales = cluster_scales(distance.unsqueeze(2).expand(-1, -1, k), informative, screen.reach)  # [M, k]
+        keep = arrived & (distance <= screen.radius * scales.gather(1, part.unsqueeze(0).expand_as(distance)))
+        if screen.loss is not None and screen.loss_limit is not None:
+            keep &= ~self.worse_on_data(keep & (part.unsqueeze(0) == screen.clusters.unsqueeze(1)), screen)
+        lost = arrived & ~keep
+        self.refold(params, weight, keep, lost.any(1))
+        return int(lost.sum())
+
+    def worse_on_data(self, own: Tensor, screen: Screen) -> Tensor:
+        """[M, S] bool: the arrivals `own` [M, S] of each row's own cluster whose loss on its samples is above the
+        row's limit, or above MERGE_LOSS_SPREAD times the lower median of the losses of those within it."""
+        assert screen.loss is not None and screen.loss_limit is not None
+        losses = torch.full(own.shape, math.inf, dtype=torch.float64, device=own.device)
+        at = 0
+        for _, p, models, _ in self.folded:
+            r, c = own[:, at:at + p.shape[0]].nonzero(as_tuple=True)
             if r.numel():
-                ok = data_checks(r, c, models, None, screen.test)
-                dropped += int((~ok).sum())
-                a = a.clone()
-                a[r[~ok], c[~ok]] = 0
-            passing.append(a)
-        for n, v in params.items():  # the failing rows' own model as training left it, at its opening weight
-            v[failing, own[failing]] = self.trained[n][failing].to(v.dtype)
-        weight[failing, own[failing]] = self.weight[failing].to(weight.dtype)
-        for a, (_, part, models) in zip(passing, self.folded, strict=True):
-            fold_models(params, weight, a, part, models)
-        return dropped
+                losses[r, c + at] = data_checks(r, c, models, None, screen.loss).double()
+            at += p.shape[0]
+        worse = own & (losses > screen.loss_limit.double().unsqueeze(1))
+        peers = own & ~worse
+        some = peers.any(1)
+        median = lower_median(losses, peers | ~some.unsqueeze(1))  # rows with none: no arrival is left to test
+        return worse | (peers & (losses > MERGE_LOSS_SPREAD * median.unsqueeze(1)))
+
+    def refold(self, params: dict[str, Tensor], weight: Tensor, keep: Tensor, redo: Tensor) -> None:
+        """The rows `redo` [M] folded again from where the merge opened with the arrivals `keep` [M, S] holds."""
+        if not bool(redo.any()):
+            return
+        for n, v in params.items():  # the rows that lost an arrival, as the merge opened
+            v[redo] = self.opening[n][redo].to(v.dtype)
+        weight[redo] = self.weight[redo].to(weight.dtype)
+        at = 0
+        for arrivals, p, models, _ in self.folded:
+            kept = keep[:, at:at + p.shape[0]] & redo.unsqueeze(1)
+            fold_models(params, weight, arrivals * kept.to(arrivals.dtype), p, models)
+            at += p.shape[0]
 
 
 def mixed(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arrived_num: Mapping[str, Tensor],
-          clean: Tensor, scale: Tensor, keep: Tensor) -> tuple[dict[str, Tensor], Tensor]:
-    """(num', den'): own + the kept arrivals (den clamped to the budget, num scaled with it), over 1 + arrivals."""
-    weight = keep.to(den.dtype)  # [M, S, k]
+          clean: Tensor, scale: Tensor, keep: Tensor, cap: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor]:
+    """(num', den'): own + the kept arrivals (den clamped to the budget, num scaled with it), over 1 + arrivals;
+    cap [M, S, k]: what each kept pair counts for at that row (its den capped), 1 where None."""
+    weight = keep.to(den.dtype) if cap is None else keep.to(den.dtype) * cap.to(den.dtype)  # [M, S, k]
     divisor = delivered.sum(1).to(den.dtype) + 1
     new_den = (den + (weight * clean.to(den.dtype).unsqueeze(0)).sum(1)) / trailing(divisor, den)
     mix = (weight * scale.to(den.dtype).unsqueeze(0)).permute(2, 0, 1)  # [k, M, S]: what each arrived num counts for
@@ -397,15 +441,17 @@ def screened_mix(num: dict[str, Tensor], den: Tensor, delivered: Tensor, arrived
     distance = estimate_distances(arrived_num, arrived_den, num, den, screen.anchor)  # [M, S, k]
     distance = medoid_centred(distance, informative, den, arrived_num, arrived_den)
     scales = cluster_scales(distance, informative, screen.reach)  # [M, k]
-    keep = informative & (distance <= screen.radius * scales.unsqueeze(1))
+    radius = screen.radius * (FIRST_STEP_RADIUS if screen.gossip_step == 0 else 1.0)
+    keep = informative & (distance <= radius * scales.unsqueeze(1))
     rows = torch.arange(m, device=den.device)
     if screen.step is not None:
         keep[rows, :, screen.clusters] &= ~behind_own_step(arrived_num, arrived_den, num, den, screen,
                                                            scales[rows, screen.clusters])
-    out, new_den = mixed(num, den, delivered, arrived_num, clean, scale, keep)
+    cap = capped(den, clean, informative, DEN_CAP) if screen.gossip_step > 0 else None
+    out, new_den = mixed(num, den, delivered, arrived_num, clean, scale, keep, cap)
     if screen.test is not None:
         keep, out, new_den = data_screened(num, den, delivered, arrived_num, arrived_den, clean, scale, keep, screen,
-                                           out, new_den)
+                                           out, new_den, cap)
     dropped = int((informative & ~keep).sum())
     if screen.trim > 0:
         rows_, cols = delivered.nonzero(as_tuple=True)
@@ -416,7 +462,8 @@ def screened_mix(num: dict[str, Tensor], den: Tensor, delivered: Tensor, arrived
 
 def data_screened(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arrived_num: Mapping[str, Tensor],
                   arrived_den: Tensor, clean: Tensor, scale: Tensor, keep: Tensor, screen: Screen,
-                  out: dict[str, Tensor], new_den: Tensor) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+                  out: dict[str, Tensor], new_den: Tensor, cap: Tensor | None = None
+                  ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
     """(keep, num', den'): the mix (out, new_den) of `keep`, tested on each row's data for its own cluster; in the
     rows whose mix fails, each kept arrival of that cluster is tested alone, the failing ones dropped, and the mix
     made again (one loss per row, and per arrival only where a liar hides)."""
@@ -439,7 +486,7 @@ def data_screened(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arr
     values = {n: v.reshape(-1, *v.shape[2:]) for n, v in arrived_num.items()}
     keep = keep.clone()
     keep[r, cols, own[r]] = data_checks(r, cols * k + own[r], values, arrived_den.reshape(-1), screen.test)
-    return keep, *mixed(num, den, delivered, arrived_num, clean, scale, keep)
+    return keep, *mixed(num, den, delivered, arrived_num, clean, scale, keep, cap)
 
 
 def trimmed_estimates(num: Mapping[str, Tensor], den: Tensor, arr_num: Mapping[str, Tensor], arr_den: Tensor,
