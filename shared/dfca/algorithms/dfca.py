@@ -64,7 +64,7 @@ from dfca.core.consensus import (
     source_weights,
 )
 from dfca.core.params import gather_clusters
-from dfca.core.screened_gossip import MergeFolds, Screen, screened_arrivals
+from dfca.core.screened_gossip import MergeFolds, Screen, own_rows, screened_arrivals
 from dfca.core.seeding import SeedCandidates, first_slot_scores, fit_scores, refused_candidates, responds_to_input
 from dfca.models.batched import Params
 from dfca.run_size import SCREEN_COPIES
@@ -353,7 +353,8 @@ class DFCA(Algorithm):
                 self.weight *= self.sizes.unsqueeze(1)
             self.merge_screen = self.screen(anchor, t) if anchor is not None else None
             if self.merge_screen is not None:
-                self.merge_folds = MergeFolds({n: v.clone() for n, v in self.params.items()}, self.weight.clone())
+                self.merge_folds = MergeFolds(anchor, {n: own_rows(v, self.assigned) for n, v in self.params.items()},
+                                              self.assigned, self.weight.clone())
 
     def screen(self, anchor: Params, t: int) -> Screen:
         """What round t's gossip or merge screens arrivals against (core.screened_gossip): last round's models, the
@@ -363,8 +364,9 @@ class DFCA(Algorithm):
         drifted)."""
         d = self.ctx.cfg.dfca
         rows = torch.arange(len(self.ctx.clients), device=self.ctx.device)
-        step = {n: v[rows, self.assigned] - anchor[n][rows, self.assigned] for n, v in self.params.items()}
-        reach = torch.stack([v.reshape(len(rows), -1).double().pow(2).sum(1) for v in step.values()]).sum(0).sqrt()
+        step = {n: own_rows(v, self.assigned) - own_rows(anchor[n], self.assigned) for n, v in self.params.items()}
+        reach = torch.stack([torch.linalg.vector_norm(v.reshape(len(rows), -1), dim=1).double()
+                             for v in step.values()]).pow(2).sum(0).sqrt()
         reach = reach.clamp_min(1e-6)  # |step_i|: how far this round's training moved each client's own model
         before = self.sample_loss(rows, gather_clusters(anchor, self.assigned))  # x: last round's model's loss
         self.loss_limit = torch.minimum(torch.maximum((1 + d.screen_loss) * before, before + d.screen_loss),

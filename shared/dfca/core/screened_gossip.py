@@ -97,8 +97,8 @@ def step_terms(screen: Screen) -> tuple[Tensor, Tensor]:
         sq = torch.zeros_like(dot)
         for n, a in screen.anchor.items():
             step = screen.step[n].reshape(m, -1)
-            dot += (a[rows, screen.clusters].reshape(m, -1) * step).sum(1).double()
-            sq += step.pow(2).sum(1).double()
+            dot += (own_rows(a, screen.clusters).reshape(m, -1) * step).sum(1).double()
+            sq += torch.linalg.vector_norm(step, dim=1).double().pow(2)
         screen.cached["anchor_step"], screen.cached["step_sq"] = dot, sq
     return screen.cached["anchor_step"], screen.cached["step_sq"]
 
@@ -240,7 +240,8 @@ def behind_own_step(num: Mapping[str, Tensor], den: Tensor, own_num: Mapping[str
     return along < -BEHIND * (step_sq.sqrt() * torch.maximum(step_sq.sqrt(), spread)).unsqueeze(1)
 
 
-def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen) -> Tensor:
+def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen, along: Tensor | None = None
+                      ) -> Tensor:
     """[M, S]: |models[s] - theta_{i,part[s]}| for every row i and message s (a model of cluster part[s]), theta_i
     row i's models as training left them: its anchor, its own cluster moved by its step. As |x - a|^2, less
     2 (x - a).step - |step|^2 where part[s] is the row's own cluster: no model is copied."""
@@ -256,7 +257,9 @@ def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen
             sq[:, cols] -= 2 * (clusters[j] @ x.index_select(0, cols).T).double()
     if screen.step is not None:
         anchor_step, step_sq = step_terms(screen)
-        moved = step_products_of_models(models, screen) - anchor_step.unsqueeze(1)  # [M, S]: (x - a).step
+        if along is None:
+            along = step_products_of_models(models, screen)
+        moved = along - anchor_step.unsqueeze(1)  # [M, S]: (x - a).step
         sq -= own.double() * (2 * moved - step_sq.unsqueeze(1))
     return sq.clamp_min(0.0).sqrt()
 
@@ -290,11 +293,11 @@ def data_checks(rows: Tensor, flat: Tensor, values: Mapping[str, Tensor], diviso
     return torch.cat(out) if out else torch.ones(0, dtype=torch.bool, device=rows.device)
 
 
-def models_behind_own_step(models: Mapping[str, Tensor], part: Tensor, screen: Screen) -> Tensor:
+def models_behind_own_step(along: Tensor, part: Tensor, screen: Screen) -> Tensor:
     """[M, S] bool: model s is of row i's own cluster and lies more than BEHIND own steps behind the row's trained
     model along its step: (x_s - theta_i) . step_i < -BEHIND |step_i|^2, theta_i = anchor + step_i."""
     anchor_step, step_sq = step_terms(screen)
-    along = step_products_of_models(models, screen) - (anchor_step + step_sq).unsqueeze(1)
+    along = along - (anchor_step + step_sq).unsqueeze(1)
     own = part.unsqueeze(0) == screen.clusters.unsqueeze(1)
     return own & (along < -BEHIND * screen.drift * step_sq.unsqueeze(1))  # drift: the merge's scale, as its radius
 
@@ -306,10 +309,11 @@ def screened_arrivals(delivered: Tensor, part: Tensor, models: Mapping[str, Tens
     cluster, no more than BEHIND own steps behind it along its own step; and their distances to that model. Each
     arrival is judged alone (they are folded one at a time as they arrive); the tests that need them all wait for
     the merge's end (`MergeFolds`)."""
-    distance = message_distances(models, part, screen)
+    along = step_products_of_models(models, screen) if screen.step is not None else None  # [M, S]: x_s . step_i
+    distance = message_distances(models, part, screen, along)
     keep = delivered & (distance <= (screen.radius * screen.drift * screen.reach).unsqueeze(1))
-    if screen.step is not None:
-        keep &= ~models_behind_own_step(models, part, screen)
+    if along is not None:
+        keep &= ~models_behind_own_step(along, part, screen)
     return keep, distance
 
 
@@ -322,8 +326,10 @@ class MergeFolds:
     cluster is then tested alone on its data. A row that lost an arrival is folded again from where the merge opened
     with the ones kept. What the merge ends at does not depend on how its arrivals were batched."""
 
-    opening: dict[str, Tensor]  # [M, k, ...]: the rows' models when the merge opened (as training left them)
-    weight: Tensor  # [M, k]: the weights they carried then
+    anchor: Mapping[str, Tensor]  # [M, k, ...]: the rows' models before this round's training
+    trained: dict[str, Tensor]  # [M, ...]: each row's model of its own cluster as training left it
+    clusters: Tensor  # [M]: each row's own cluster
+    weight: Tensor  # [M, k]: the weights the copies carried when the merge opened
     folded: list[tuple[Tensor, Tensor, Mapping[str, Tensor], Tensor]] = field(default_factory=list)
     # each batch's (arrivals [M, S], part [S], the messages' models, distances [M, S])
 
@@ -370,9 +376,11 @@ class MergeFolds:
         """The rows `redo` [M] folded again from where the merge opened with the arrivals `keep` [M, S] holds."""
         if not bool(redo.any()):
             return
+        rows = redo.nonzero().squeeze(1)
         for n, v in params.items():  # the rows that lost an arrival, as the merge opened
-            v[redo] = self.opening[n][redo].to(v.dtype)
-        weight[redo] = self.weight[redo].to(weight.dtype)
+            v[rows] = self.anchor[n].index_select(0, rows).to(v.dtype)
+            v[rows, self.clusters[rows]] = self.trained[n].index_select(0, rows).to(v.dtype)
+        weight[rows] = self.weight[rows].to(weight.dtype)
         at = 0
         for arrivals, p, models, _ in self.folded:
             kept = keep[:, at:at + p.shape[0]] & redo.unsqueeze(1)
