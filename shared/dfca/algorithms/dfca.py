@@ -140,8 +140,9 @@ class DFCAConfig(Strict):
     screen_radius: float = Field(
         2.0, gt=0.0, le=1000.0,
         description="screen: drop an estimate farther from the receiver's own than this many times its scale (the "
-        "lower median of its arrivals' distances and of how far its own training moved its model; one-hop merges: "
-        "that distance times the rounds since the clients last agreed)",
+        "lower median of its arrivals' distances and of how far its own training moved its model, never below the "
+        "latter; 0.8 times this at a round's first gossip step; one-hop merges: at the merge's end, from the "
+        "median of the merge's arrivals)",
     )
     screen_trim: float = Field(
         0.0, ge=0.0, lt=0.5,
@@ -151,7 +152,8 @@ class DFCAConfig(Strict):
     screen_loss: float = Field(
         0.5, ge=0.0, le=100.0,
         description="screen: drop an estimate of the receiver's own cluster whose loss on its data exceeds "
-        "max((1 + screen_loss) x, x + screen_loss), x the loss of its model of last round, or chance (ln classes)",
+        "max((1 + screen_loss) x, x + screen_loss), x the loss of its model of last round, or chance (ln classes); "
+        "a one-hop merge's model also above 1.3 times the median loss of the merge's other models",
     )
     seeding: Literal["none", "farthest"] | None = Field(
         None,
