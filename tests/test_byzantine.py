@@ -138,7 +138,7 @@ def test_a_merge_end_drops_the_far_and_the_worse_on_data_whatever_the_batching(b
                     None, 0.0, {"w": torch.full((2, 2), 0.05)}, loss=loss, loss_limit=torch.full((2,), 10.0))
     params = {"w": trained.unsqueeze(1).clone()}
     weight = torch.ones(2, 1)
-    folds = MergeFolds(screen.anchor, {"w": trained.clone()}, screen.clusters, weight.clone())
+    folds = MergeFolds(screen.anchor, {"w": trained.clone()}, weight.clone())
     for cols in batches:
         index = torch.tensor(cols)
         arrivals = delivered.index_select(1, index)

@@ -302,7 +302,7 @@ class DFCA(Algorithm):
         self.consensus: WalkConsensus | RoundedWalkConsensus | StepConsensus | None = None
         self.seeds: SeedCandidates | None = None
         self.merge_screen: Screen | None = None  # what the open one-hop merge screens arrivals against
-        self.merge_folds: MergeFolds | None = None  # its folded arrivals, for the data test at its end
+        self.merge_folds: MergeFolds | None = None  # its folded arrivals, for the tests at its end
 
     def exchanges(self, t: int) -> list[Exchange]:
         if self.schedule.seeding(t) is not None:
@@ -356,7 +356,7 @@ class DFCA(Algorithm):
             self.merge_screen = self.screen(anchor, t) if anchor is not None else None
             if self.merge_screen is not None:
                 self.merge_folds = MergeFolds(anchor, {n: own_rows(v, self.assigned) for n, v in self.params.items()},
-                                              self.assigned, self.weight.clone())
+                                              self.weight.clone())
 
     def screen(self, anchor: Params, t: int) -> Screen:
         """What round t's gossip or merge screens arrivals against (core.screened_gossip): last round's models, the
@@ -468,7 +468,7 @@ class DFCA(Algorithm):
         if ex.name == "gossip":
             assert self.consensus is not None
             self.consensus.step()
-        elif self.merge_folds is not None and self.merge_screen is not None:  # the merge's data test
+        elif self.merge_folds is not None and self.merge_screen is not None:  # the merge's end tests
             self.screened += self.merge_folds.settle(self.params, self.weight, self.merge_screen)
             self.merge_folds = None
 

@@ -92,8 +92,7 @@ def step_terms(screen: Screen) -> tuple[Tensor, Tensor]:
     assert screen.step is not None
     if "anchor_step" not in screen.cached:
         m = screen.clusters.shape[0]
-        rows = torch.arange(m, device=screen.clusters.device)
-        dot = torch.zeros(m, dtype=torch.float64, device=rows.device)
+        dot = torch.zeros(m, dtype=torch.float64, device=screen.clusters.device)
         sq = torch.zeros_like(dot)
         for n, a in screen.anchor.items():
             step = screen.step[n].reshape(m, -1)
@@ -328,7 +327,6 @@ class MergeFolds:
 
     anchor: Mapping[str, Tensor]  # [M, k, ...]: the rows' models before this round's training
     trained: dict[str, Tensor]  # [M, ...]: each row's model of its own cluster as training left it
-    clusters: Tensor  # [M]: each row's own cluster
     weight: Tensor  # [M, k]: the weights the copies carried when the merge opened
     folded: list[tuple[Tensor, Tensor, Mapping[str, Tensor], Tensor]] = field(default_factory=list)
     # each batch's (arrivals [M, S], part [S], the messages' models, distances [M, S])
@@ -352,7 +350,7 @@ class MergeFolds:
         if screen.loss is not None and screen.loss_limit is not None:
             keep &= ~self.worse_on_data(keep & (part.unsqueeze(0) == screen.clusters.unsqueeze(1)), screen)
         lost = arrived & ~keep
-        self.refold(params, weight, keep, lost.any(1))
+        self.refold(params, weight, keep, lost.any(1), screen.clusters)
         return int(lost.sum())
 
     def worse_on_data(self, own: Tensor, screen: Screen) -> Tensor:
@@ -372,14 +370,15 @@ class MergeFolds:
         median = lower_median(losses, peers | ~some.unsqueeze(1))  # rows with none: no arrival is left to test
         return worse | (peers & (losses > MERGE_LOSS_SPREAD * median.unsqueeze(1)))
 
-    def refold(self, params: dict[str, Tensor], weight: Tensor, keep: Tensor, redo: Tensor) -> None:
-        """The rows `redo` [M] folded again from where the merge opened with the arrivals `keep` [M, S] holds."""
+    def refold(self, params: dict[str, Tensor], weight: Tensor, keep: Tensor, redo: Tensor, own: Tensor) -> None:
+        """The rows `redo` [M] folded again from where the merge opened (own [M]: each row's own cluster, the one it
+        trained) with the arrivals `keep` [M, S] holds."""
         if not bool(redo.any()):
             return
         rows = redo.nonzero().squeeze(1)
         for n, v in params.items():  # the rows that lost an arrival, as the merge opened
             v[rows] = self.anchor[n].index_select(0, rows).to(v.dtype)
-            v[rows, self.clusters[rows]] = self.trained[n].index_select(0, rows).to(v.dtype)
+            v[rows, own[rows]] = self.trained[n].index_select(0, rows).to(v.dtype)
         weight[rows] = self.weight[rows].to(weight.dtype)
         at = 0
         for arrivals, p, models, _ in self.folded:
