@@ -21,13 +21,16 @@ def loss_matrix(model: BatchedModel, params: Params, x: Tensor, y: Tensor, mask:
     for lo in range(0, M, EVAL_BLOCK):
         hi = min(lo + EVAL_BLOCK, M)
         flat = {n: t[lo:hi].reshape(-1, *t.shape[2:]) for n, t in params.items()}  # [(b k), ...]
-        xb = x[lo:hi].repeat_interleave(k, dim=0)
-        yb = y[lo:hi].repeat_interleave(k, dim=0)
+        xb, yb = repeated(x[lo:hi], k), repeated(y[lo:hi], k)
         logits = model.logits(flat, xb)
         ce = F.cross_entropy(logits.transpose(1, 2), yb, reduction="none")
-        out[lo:hi] = (ce.mean(1) if mask is None else masked_mean(ce, mask[lo:hi].repeat_interleave(k, dim=0))
-                      ).reshape(hi - lo, k)
+        out[lo:hi] = (ce.mean(1) if mask is None else masked_mean(ce, repeated(mask[lo:hi], k))).reshape(hi - lo, k)
     return out
+
+
+def repeated(t: Tensor, k: int) -> Tensor:
+    """Each row of t k times over, in place of one another ([b, ...] -> [b k, ...]); t itself where k is 1."""
+    return t if k == 1 else t.repeat_interleave(k, dim=0)
 
 
 def assign_clusters(losses: Tensor) -> Tensor:

@@ -239,38 +239,41 @@ def behind_own_step(num: Mapping[str, Tensor], den: Tensor, own_num: Mapping[str
     return along < -BEHIND * (step_sq.sqrt() * torch.maximum(step_sq.sqrt(), spread)).unsqueeze(1)
 
 
-def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen, along: Tensor | None = None
-                      ) -> Tensor:
-    """[M, S]: |models[s] - theta_{i,part[s]}| for every row i and message s (a model of cluster part[s]), theta_i
-    row i's models as training left them: its anchor, its own cluster moved by its step. As |x - a|^2, less
-    2 (x - a).step - |step|^2 where part[s] is the row's own cluster: no model is copied."""
-    s = part.shape[0]
+def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen) -> tuple[Tensor, Tensor | None]:
+    """([M, S], [M, S] or None): |models[s] - theta_{i,part[s]}| for every row i and message s (a model of cluster
+    part[s]), theta_i row i's models as training left them: its anchor, its own cluster moved by its step; and, with
+    a step, models[s] . step_i. As |x - a|^2, less 2 (x - a).step - |step|^2 where part[s] is the row's own cluster:
+    no model is copied, and one product per tensor (`merge_factors`) reads the messages once."""
+    m, s = screen.clusters.shape[0], part.shape[0]
+    k = next(iter(screen.anchor.values())).shape[1]
     own = part.unsqueeze(0) == screen.clusters.unsqueeze(1)  # [M, S]
     sq = anchor_norms(screen).index_select(1, part)  # [M, S]: |a_{i,part[s]}|^2
-    for name, a in screen.anchor.items():
-        x = models[name].reshape(s, -1).to(a.dtype)
+    along = None if screen.step is None else torch.zeros(m, s, dtype=torch.float64, device=part.device)
+    pick = part.view(1, 1, s).expand(m, 1, s)
+    for name in screen.anchor:
+        factors = merge_factors(screen, name)
+        x = models[name].reshape(s, -1).to(factors.dtype)
         sq = sq + squared_norms(x.unsqueeze(1)).squeeze(1).unsqueeze(0)
-        clusters = by_cluster(a)  # [k, M, F], a view
-        for j in part.unique().tolist():
-            cols = (part == j).nonzero().squeeze(1)
-            sq[:, cols] -= 2 * (clusters[j] @ x.index_select(0, cols).T).double()
-    if screen.step is not None:
+        products = factors @ x.T  # [M k (+ M), S]: a_ij . x_s for every cluster j (and step_i . x_s)
+        sq -= 2 * products[:m * k].view(m, k, s).gather(1, pick).squeeze(1).double()
+        if along is not None:
+            along += products[m * k:].double()
+    if along is not None:
         anchor_step, step_sq = step_terms(screen)
-        if along is None:
-            along = step_products_of_models(models, screen)
         moved = along - anchor_step.unsqueeze(1)  # [M, S]: (x - a).step
         sq -= own.double() * (2 * moved - step_sq.unsqueeze(1))
-    return sq.clamp_min(0.0).sqrt()
+    return sq.clamp_min(0.0).sqrt(), along
 
 
-def step_products_of_models(models: Mapping[str, Tensor], screen: Screen) -> Tensor:
-    """[M, S]: models[s] . step_i."""
-    assert screen.step is not None
-    m, s = screen.clusters.shape[0], next(iter(models.values())).shape[0]
-    out = torch.zeros(m, s, dtype=torch.float64, device=screen.clusters.device)
-    for n, step in screen.step.items():
-        out += (step.reshape(m, -1) @ models[n].reshape(s, -1).to(step.dtype).T).double()
-    return out
+def merge_factors(screen: Screen, name: str) -> Tensor:
+    """[M k (+ M), F]: the rows' anchors of every cluster of tensor `name` (and their steps, with a step) as the rows
+    of one matrix, taken once a round: each batch of a merge's messages is multiplied by it in one product."""
+    if f"factors.{name}" not in screen.cached:
+        a = screen.anchor[name]
+        anchors = a.reshape(a.shape[0] * a.shape[1], -1)  # a view
+        screen.cached[f"factors.{name}"] = anchors if screen.step is None else torch.cat(
+            [anchors, screen.step[name].reshape(a.shape[0], -1).to(a.dtype)])
+    return screen.cached[f"factors.{name}"]
 
 
 def data_checks(rows: Tensor, flat: Tensor, values: Mapping[str, Tensor], divisor: Tensor | None,
@@ -308,8 +311,7 @@ def screened_arrivals(delivered: Tensor, part: Tensor, models: Mapping[str, Tens
     cluster, no more than BEHIND own steps behind it along its own step; and their distances to that model. Each
     arrival is judged alone (they are folded one at a time as they arrive); the tests that need them all wait for
     the merge's end (`MergeFolds`)."""
-    along = step_products_of_models(models, screen) if screen.step is not None else None  # [M, S]: x_s . step_i
-    distance = message_distances(models, part, screen, along)
+    distance, along = message_distances(models, part, screen)  # along [M, S]: x_s . step_i, own cluster's
     keep = delivered & (distance <= (screen.radius * screen.drift * screen.reach).unsqueeze(1))
     if along is not None:
         keep &= ~models_behind_own_step(along, part, screen)
