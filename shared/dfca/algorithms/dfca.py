@@ -140,9 +140,9 @@ class DFCAConfig(Strict):
     screen_radius: float = Field(
         2.0, gt=0.0, le=1000.0,
         description="screen: drop an estimate farther from the receiver's own than this many times its scale (the "
-        "lower median of its arrivals' distances and of how far its own training moved its model, never below the "
-        "latter; 0.8 times this at a round's first gossip step; one-hop merges: at the merge's end, from the "
-        "median of the merge's arrivals)",
+        "lower median of its arrivals' distances, never below how far its own training moved its model, and that "
+        "where fewer than two arrived; 0.8 times this at a round's first gossip step; one-hop merges: at the "
+        "merge's end, from the median of the merge's arrivals)",
     )
     screen_trim: float = Field(
         0.0, ge=0.0, lt=0.5,

@@ -13,12 +13,12 @@ or an estimate num/den far from everyone else's, decides the result alone (one f
   with at most DEN_CAP x the larger of the receiver's own den and the lower median of the arrived dens of that
   cluster (`capped`).
 - the estimate e_sj = num_sj / den_sj: honest copies of cluster j are mixes of models trained from nearby starting
-  points, so they lie near each other. Receiver i centres cluster j on its own estimate c_ij (while it holds no
-  weight of j: on the medoid of its arrivals of j, or its anchor, last round's model, with fewer than two) and
-  measures that cluster's scale s_ij: the lower median of the distances |e_sj - c_ij| of its informative arrivals
-  this step and of r_i = |trained theta_{i,c(i)} - anchor_{i,c(i)}| (how far its own training moved its model),
-  never below r_i. An arrival farther than `radius` x s_ij is dropped (weight 0); at a round's first step, where
-  every honest arrival is a model its sender has just trained and their distances are tight, farther than
+  points, so they lie near each other. Receiver i centres cluster j on its own estimate c_ij (while it holds no weight
+  of j: on the medoid of its arrivals of j, or its anchor, last round's model, with fewer than two) and measures that
+  cluster's scale s_ij: the lower median of the distances |e_sj - c_ij| of its informative arrivals this step, never
+  below r_i = |trained theta_{i,c(i)} - anchor_{i,c(i)}| (how far its own training moved its model), and r_i itself
+  where fewer than two arrived. An arrival farther than `radius` x s_ij is dropped (weight 0); at a round's first step,
+  where every honest arrival is a model its sender has just trained and their distances are tight, farther than
   FIRST_STEP_RADIUS x `radius`. A minority of liars cannot raise the median; honest neighbours whose models drifted
   apart between consensus rounds raise it together.
 - for its own cluster c(i) the receiver also knows the direction training goes and has data: an estimate more than
@@ -27,14 +27,14 @@ or an estimate num/den far from everyone else's, decides the result alone (one f
   worse than its anchor, each kept arrival of that cluster is tested alone and the failing ones dropped (the honest
   mix passes, so the data test costs one loss per row and step, not one per arrival).
 
-A dropped arrival counts as (0, 0): the step's divisor (1 + arrivals) is kept, so num and den shrink together and
-the estimate num/den is a mix of the accepted copies only. The one-hop merges (`screened_arrivals`) are folded as
-they arrive, within a loose bound: `radius` x r_i x `drift` of the row's own model of that cluster, `drift` growing
-with the rounds since the last consensus, and, for its own cluster, not BEHIND x drift own steps behind. The tests
-that need them all wait for the merge's end (`MergeFolds`): each (row, cluster)'s scale is the lower median of its
-arrivals' distances and r_i, as in a gossip step, and an arrival beyond `radius` x that scale is dropped; each
-arrival of the row's own cluster is tested alone on its data, and dropped above the row's limit or above
-MERGE_LOSS_SPREAD x the median loss of its peers; a row that lost one is folded again from where the merge opened.
+A dropped arrival counts as (0, 0): the step's divisor (1 + arrivals) is kept, so num and den shrink together and the
+estimate num/den is a mix of the accepted copies only. The one-hop merges (`screened_arrivals`) are folded as they
+arrive, within a loose bound: `radius` x r_i x `drift` of the row's own model of that cluster, `drift` growing with the
+rounds since the last consensus, and, for its own cluster, not BEHIND x drift own steps behind. The tests that need them
+all wait for the merge's end (`MergeFolds`): each (row, cluster)'s scale is the lower median of its arrivals' distances
+(r_i with fewer than two), as in a gossip step, and an arrival beyond `radius` x that scale is dropped; each arrival of
+the row's own cluster is tested alone on its data, and dropped above the row's limit or above MERGE_LOSS_SPREAD x the
+median loss of its peers; a row that lost one is folded again from where the merge opened.
 """
 
 from __future__ import annotations
@@ -171,15 +171,19 @@ def lower_median(values: Tensor, valid: Tensor) -> Tensor:
 
 
 def cluster_scales(distance: Tensor, informative: Tensor, reach: Tensor) -> Tensor:
-    """[M, k]: each row's scale of each cluster, the lower median of its informative arrivals' distances and of r_i
-    (how far its own training moved it), and never below r_i: a liar among them cannot raise it, nor one arrival
-    alone, and where the copies agree (distances at the level of the float noise of |n|^2 + |c|^2 - 2 c.n) the scale
-    is a training step, not that noise."""
+    """[M, k]: each row's scale of each cluster, the lower median of its informative arrivals' distances, never below
+    r_i (how far its own training moved it); r_i itself where fewer than two arrived, so one arrival alone does not
+    set its own scale. Liars cannot raise it while they are fewer than half its arrivals, and where the copies agree
+    (distances at the level of the float noise of |n|^2 + |c|^2 - 2 c.n) the scale is a training step, not that
+    noise. Counting r_i among the distances would put the median at the nearest arrival where two or three arrived:
+    on sparse graphs, where honest estimates differ most, about 30% of the honest weight would be dropped."""
     m, s, k = distance.shape
-    spread = torch.cat([distance.transpose(1, 2), reach.double().view(m, 1, 1).expand(m, k, 1)], 2)  # [M, k, S + 1]
-    valid = torch.cat([informative.transpose(1, 2), torch.ones(m, k, 1, dtype=torch.bool, device=reach.device)], 2)
-    median = lower_median(spread.reshape(m * k, s + 1), valid.reshape(m * k, s + 1)).view(m, k)
-    return torch.maximum(median, reach.double().unsqueeze(1))  # never below r_i: where copies agree, float noise
+    values = distance.transpose(1, 2).reshape(m * k, s)
+    valid = informative.transpose(1, 2).reshape(m * k, s)
+    several = valid.sum(1) >= 2
+    median = lower_median(values, valid | ~several.unsqueeze(1)).view(m, k)
+    floor = reach.double().unsqueeze(1).expand(m, k)
+    return torch.where(several.view(m, k), torch.maximum(median, floor), floor)
 
 
 def own_rows(v: Tensor, clusters: Tensor) -> Tensor:
@@ -322,10 +326,11 @@ def screened_arrivals(delivered: Tensor, part: Tensor, models: Mapping[str, Tens
 class MergeFolds:
     """A one-hop merge's folded arrivals, kept until the merge ends for the tests that need all of them.
 
-    At the end each (row, cluster) has a scale, as in a gossip step: the lower median of its arrivals' distances and
-    of r_i, never below r_i; an arrival farther than radius x that scale is dropped. Each arrival of the row's own
-    cluster is then tested alone on its data. A row that lost an arrival is folded again from where the merge opened
-    with the ones kept. What the merge ends at does not depend on how its arrivals were batched."""
+    At the end each (row, cluster) has a scale, as in a gossip step: the lower median of its arrivals' distances,
+    never below r_i (r_i itself with fewer than two); an arrival farther than radius x that scale is dropped. Each
+    arrival of the row's own cluster is then tested alone on its data. A row that lost an arrival is folded again
+    from where the merge opened with the ones kept. What the merge ends at does not depend on how its arrivals were
+    batched."""
 
     anchor: Mapping[str, Tensor]  # [M, k, ...]: the rows' models before this round's training
     trained: dict[str, Tensor]  # [M, ...]: each row's model of its own cluster as training left it
