@@ -410,11 +410,13 @@ def mixed(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arrived_num
     return out, new_den
 
 
-def pairwise_distances(num: Mapping[str, Tensor], den: Tensor, j: int) -> Tensor:
-    """[S, S]: |e_sj - e_tj| between the messages' estimates of cluster j, from their Gram matrix."""
-    inv = 1.0 / den[:, j].clamp_min(MIN_WEIGHT).double()
-    gram = sum(((v[:, j].reshape(v.shape[0], -1)) @ v[:, j].reshape(v.shape[0], -1).T).double() for v in num.values())
-    assert isinstance(gram, Tensor)
+def pairwise_distances(num: Mapping[str, Tensor], den: Tensor, j: int, among: Tensor) -> Tensor:
+    """[C, C]: |e_sj - e_tj| between the estimates of cluster j of the messages `among` [C], from their Gram matrix."""
+    inv = 1.0 / den.index_select(0, among)[:, j].clamp_min(MIN_WEIGHT).double()
+    gram = torch.zeros(among.shape[0], among.shape[0], dtype=torch.float64, device=den.device)
+    for v in num.values():
+        x = v[among, j].reshape(among.shape[0], -1)  # [C, F]: the only copy
+        gram += (x @ x.T).double()
     sq = gram * inv.unsqueeze(0) * inv.unsqueeze(1)
     norms = sq.diagonal()
     return (norms.unsqueeze(0) + norms.unsqueeze(1) - 2 * sq).clamp_min(0.0).sqrt()
@@ -426,18 +428,22 @@ def medoid_centred(distance: Tensor, informative: Tensor, den: Tensor, arrived_n
     cluster, on the medoid of its informative arrivals (the arrival nearest all the others and its anchor) in place
     of its anchor: honest copies moved from the anchor together, so a lie that moved the other way (or drifted) is
     far from them, where from the anchor it looked as near as they did. Rows with fewer than two such arrivals keep
-    their anchor."""
+    their anchor. Only the messages informative of j for some such row are compared (the others carry no weight of
+    j: their distances are never read)."""
     unheld = (den <= MIN_WEIGHT) & (informative.sum(1) >= 2)  # [M, k]
     if not unheld.any():
         return distance
     distance = distance.clone()
     for j in unheld.any(0).nonzero().squeeze(1).tolist():
         rows = unheld[:, j].nonzero().squeeze(1)
-        between = pairwise_distances(arrived_num, arrived_den, j)  # [S, S]
         member = informative[rows, :, j]  # [U, S]
-        total = member.double() @ between + distance[rows, :, j]  # to the other arrivals, and to the anchor
+        among = member.any(0).nonzero().squeeze(1)  # [C]
+        between = pairwise_distances(arrived_num, arrived_den, j, among)  # [C, C]
+        member = member.index_select(1, among)  # [U, C]
+        to_anchor = distance[rows, :, j].index_select(1, among)
+        total = member.double() @ between + to_anchor  # to the other arrivals, and to the anchor
         medoid = total.masked_fill(~member, math.inf).argmin(1)  # [U]
-        distance[rows, :, j] = between.index_select(0, medoid)
+        distance[rows.unsqueeze(1), among.unsqueeze(0), j] = between.index_select(0, medoid)
     return distance
 
 
