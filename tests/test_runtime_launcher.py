@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from dfca.cli import launcher
 from dfca.cli.launcher import ServiceProcess, Stack, StackOptions, service_env
 from dfca.settings import ENV_VARS
+from dfca.transport.rabbitmq import RabbitMQTransport
 
 
 class SleeperStack(Stack):
@@ -72,3 +78,20 @@ def test_dfca_up_refuses_to_start_without_a_broker(tmp_path: Path) -> None:
          "--state-dir", str(tmp_path)], capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 1 and "no RabbitMQ answers" in result.stderr
+
+
+def test_deleting_service_queues_gives_up_on_a_broker_it_cannot_reach(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The stack's teardown after its broker went away: a warning that the queues are left to expire, no error and
+    no deletion attempted."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr(launcher, "DELETE_QUEUE_TIMEOUT_S", 2.0)
+    asked: list[str] = []
+    monkeypatch.setattr(RabbitMQTransport, "delete_queue", lambda self, name: asked.append(name))
+    stack = Stack(StackOptions(broker_url=f"amqp://u:p@127.0.0.1:{port}/dfca", state_dir=tmp_path))
+    with caplog.at_level(logging.WARNING, logger="dfca.cli.launcher"):
+        stack.delete_service_queues()
+    assert asked == []
+    assert "left to expire" in caplog.text

@@ -43,6 +43,7 @@ BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 HEALTHY_AFTER_S = 60.0
 STOP_GRACE_S = 15.0
+DELETE_QUEUE_TIMEOUT_S = 10.0  # a broker that does not answer one queue deletion in this long is not asked again
 
 
 @dataclass
@@ -257,14 +258,26 @@ class Stack:
         """After `stop`: delete the queues this deployment's services declared, for a stack that never starts again
         under the same topology URL (tests and benchmarks pick free ports: each stack is a new deployment, whose
         durable queues would otherwise stay on the broker for 6 hours, SERVICE_QUEUE_LIMITS). `dfca up` keeps
-        them: restarted on the same URL, its services find their queues again."""
-        transport = RabbitMQTransport(self.options.broker_url, name="dfca-launcher")
+        them: restarted on the same URL, its services find their queues again. A broker that cannot be reached, or
+        does not answer a deletion within DELETE_QUEUE_TIMEOUT_S, is not waited for: the queues expire."""
+        try:
+            transport = RabbitMQTransport(self.options.broker_url, name="dfca-launcher",
+                                          publish_timeout=DELETE_QUEUE_TIMEOUT_S)
+        except TransportError as err:
+            log.warning("cannot reach the broker to delete this deployment's service queues (%s); they are left to "
+                        "expire (SERVICE_QUEUE_LIMITS)", err)
+            return
         try:
             for name in topics.service_queues(topics.deployment_tag(self.options.topology_url), self.options.workers):
+                began = time.monotonic()
                 try:
                     transport.delete_queue(name)
                 except TransportError as err:
                     log.debug("could not delete %s: %s", name, err)
+                    if time.monotonic() - began >= DELETE_QUEUE_TIMEOUT_S:  # no answer: the rest would wait as long
+                        log.warning("the broker did not answer deleting %s; this deployment's other service queues "
+                                    "are left to expire (SERVICE_QUEUE_LIMITS)", name)
+                        return
         finally:
             transport.close()
 
