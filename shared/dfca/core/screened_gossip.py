@@ -315,7 +315,7 @@ def screened_arrivals(delivered: Tensor, part: Tensor, models: Mapping[str, Tens
     cluster, no more than BEHIND own steps behind it along its own step; and their distances to that model. Each
     arrival is judged alone (they are folded one at a time as they arrive); the tests that need them all wait for
     the merge's end (`MergeFolds`)."""
-    distance, along = message_distances(models, part, screen)  # along [M, S]: x_s . step_i, own cluster's
+    distance, along = message_distances(models, part, screen)  # along [M, S]: x_s . step_i
     keep = delivered & (distance <= (screen.radius * screen.drift * screen.reach).unsqueeze(1))
     if along is not None:
         keep &= ~models_behind_own_step(along, part, screen)
