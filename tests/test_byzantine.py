@@ -68,7 +68,7 @@ def test_a_forged_weight_counts_no_more_than_one_honest_client() -> None:
 def screen_of(anchor: dict[str, torch.Tensor], radius: float, trim: float = 0.0) -> Screen:
     """A screen of rows training cluster 0 whose own training barely moved them (the scale is their arrivals')."""
     m = next(iter(anchor.values())).shape[0]
-    return Screen(anchor, torch.full((m,), 1e-6), torch.zeros(m, dtype=torch.long), 1.0, None, trim, radius=radius)
+    return Screen(anchor, torch.full((m,), 1e-6), torch.zeros(m, dtype=torch.long), 1.0, trim, radius=radius)
 
 
 @pytest.mark.parametrize("trim", [0.0, 0.25])
@@ -101,7 +101,7 @@ def test_an_estimate_against_the_receivers_own_training_step_is_dropped() -> Non
     merge's model; the honest ones, along it, kept."""
     torch.manual_seed(0)
     step = torch.full((1, 8), 0.1)
-    screen = Screen({"w": torch.zeros(1, 1, 8)}, torch.full((1,), 0.3), torch.zeros(1, dtype=torch.long), 1.0, None,
+    screen = Screen({"w": torch.zeros(1, 1, 8)}, torch.full((1,), 0.3), torch.zeros(1, dtype=torch.long), 1.0,
                     0.0, {"w": step})
     honest = step.unsqueeze(1) + torch.randn(3, 1, 8) * 0.02
     arrived = torch.cat([honest, -2.5 * step.unsqueeze(1)])
@@ -135,7 +135,7 @@ def test_a_merge_end_drops_the_far_and_the_worse_on_data_whatever_the_batching(b
         return 1 + 10 * (w[:, 1] - w[:, 0]).clamp_min(0)  # the honest ones 1, the worse one 1.5
 
     screen = Screen({"w": trained.unsqueeze(1) - 0.05}, torch.full((2,), 0.05), torch.zeros(2, dtype=torch.long), 1.0,
-                    None, 0.0, {"w": torch.full((2, 2), 0.05)}, loss=loss, loss_limit=torch.full((2,), 10.0))
+                    0.0, {"w": torch.full((2, 2), 0.05)}, loss=loss, loss_limit=torch.full((2,), 10.0))
     params = {"w": trained.unsqueeze(1).clone()}
     weight = torch.ones(2, 1)
     folds = MergeFolds(screen.anchor, {"w": trained.clone()}, weight.clone())

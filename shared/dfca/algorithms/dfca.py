@@ -371,23 +371,17 @@ class DFCA(Algorithm):
                              for v in step.values()]).pow(2).sum(0).sqrt()
         reach = reach.clamp_min(1e-6)  # |step_i|: how far this round's training moved each client's own model
         before = self.sample_loss(rows, gather_clusters(anchor, self.assigned))  # x: last round's model's loss
-        self.loss_limit = torch.minimum(torch.maximum((1 + d.screen_loss) * before, before + d.screen_loss),
-                                        torch.full_like(before, math.log(self.data().num_classes)))
+        # an estimate of a row's own cluster passes at most max((1 + screen_loss) x, x + screen_loss), below chance
+        limit = torch.minimum(torch.maximum((1 + d.screen_loss) * before, before + d.screen_loss),
+                              torch.full_like(before, math.log(self.data().num_classes)))
         return Screen(anchor, reach.to(self.ctx.device), self.assigned, 1 + (self.k - 1) * d.untrained_weight,
-                      self.fits_own_data, d.screen_trim, step, d.screen_radius,
-                      float(self.schedule.rounds_since_agreement(t)), loss=self.sample_loss,
-                      loss_limit=self.loss_limit)
+                      d.screen_trim, step, d.screen_radius, float(self.schedule.rounds_since_agreement(t)),
+                      loss=self.sample_loss, loss_limit=limit)
 
     def sample_loss(self, rows: Tensor, models: Params) -> Tensor:
         """[R]: the loss of models [R, ...] on the first SCREEN_SAMPLES training samples of each row."""
         x, y, mask = first_samples(self.data(), rows, SCREEN_SAMPLES)
         return loss_matrix(self.ctx.model, {n: v.unsqueeze(1) for n, v in models.items()}, x, y, mask)[:, 0]
-
-    def fits_own_data(self, rows: Tensor, estimates: Params) -> Tensor:
-        """[P] bool: each estimate of row `rows[p]`'s own cluster is not much worse on that row's samples than its
-        model of last round (loss x): at most max((1 + screen_loss) x, x + screen_loss), and below chance
-        (ln classes)."""
-        return self.sample_loss(rows, estimates) <= self.loss_limit.index_select(0, rows)
 
     def local_models(self, t: int) -> Params:
         """phi_i, the seeding's local model: client i's copy of cluster 0 after `seed_epochs` epochs on D_i."""

@@ -22,10 +22,10 @@ or an estimate num/den far from everyone else's, decides the result alone (one f
   FIRST_STEP_RADIUS x `radius`. A minority of liars cannot raise the median; honest neighbours whose models drifted
   apart between consensus rounds raise it together.
 - for its own cluster c(i) the receiver also knows the direction training goes and has data: an estimate more than
-  BEHIND x max(|step_i|, s_ic(i)) behind its own estimate along its own step is dropped (a lie that undoes
-  training), and the mix it would fold is tested on its own samples (`test`, the algorithm's): where the mix is much
-  worse than its anchor, each kept arrival of that cluster is tested alone and the failing ones dropped (the honest
-  mix passes, so the data test costs one loss per row and step, not one per arrival).
+  BEHIND x max(|step_i|, s_ic(i)) behind its own estimate along its own step is dropped (a lie that undoes training),
+  and the mix it would fold is tested on its own samples (`Screen.passes`, the algorithm's loss): where the mix is much
+  worse than its anchor, each kept arrival of that cluster is tested alone and the failing ones dropped (the honest mix
+  passes, so the data test costs one loss per row and step, not one per arrival).
 
 A dropped arrival counts as (0, 0): the step's divisor (1 + arrivals) is kept, so num and den shrink together and the
 estimate num/den is a mix of the accepted copies only. The one-hop merges (`screened_arrivals`) are folded as they
@@ -67,7 +67,6 @@ class Screen:
     reach: Tensor  # [M]: r_i, how far this round's training moved each row's own model (the scale's floor)
     clusters: Tensor  # [M]: each row's own cluster this round (the one it trained)
     budget: float  # an honest message's largest total den: 1 + (k - 1) untrained_weight
-    test: EstimateTest | None  # the data test of an estimate of the row's own cluster
     trim: float = 0.0  # > 0: the estimate is the coordinate-wise trimmed mean of what was kept, this cut per end
     step: dict[str, Tensor] | None = None  # [M, ...]: this round's training step of each row's own model
     radius: float = 2.0  # an arrival farther than radius x the row's scale from its centre is dropped
@@ -75,7 +74,18 @@ class Screen:
     cached: dict[str, Tensor] = field(default_factory=dict, repr=False)  # what the round's arrivals share, once
     gossip_step: int = 0  # the round's gossip steps taken so far
     loss: EstimateTest | None = None  # [P]: the loss of each estimate of a row's own cluster on that row's samples
-    loss_limit: Tensor | None = None  # [M]: the most a row's loss may be for `test` to pass
+    loss_limit: Tensor | None = None  # [M]: the most a row's loss may be for its estimate to pass (`passes`)
+
+    @property
+    def tested(self) -> bool:
+        """Whether estimates of a row's own cluster are tested on its data (the algorithm gave a loss and limits)."""
+        return self.loss is not None and self.loss_limit is not None
+
+    def passes(self, rows: Tensor, estimates: dict[str, Tensor]) -> Tensor:
+        """[P] bool: the data test, each estimate of row `rows[p]`'s own cluster no worse on that row's samples
+        than the row's limit."""
+        assert self.loss is not None and self.loss_limit is not None
+        return self.loss(rows, estimates) <= self.loss_limit.index_select(0, rows)
 
 
 def anchor_norms(screen: Screen) -> Tensor:
@@ -354,7 +364,7 @@ class MergeFolds:
         informative = arrived.unsqueeze(2) & torch.nn.functional.one_hot(part, k).bool().unsqueeze(0)  # [M, S, k]
         scales = cluster_scales(distance.unsqueeze(2).expand(-1, -1, k), informative, screen.reach)  # [M, k]
         keep = arrived & (distance <= screen.radius * scales.gather(1, part.unsqueeze(0).expand_as(distance)))
-        if screen.loss is not None and screen.loss_limit is not None:
+        if screen.tested:
             keep &= ~self.worse_on_data(keep & (part.unsqueeze(0) == screen.clusters.unsqueeze(1)), screen)
         lost = arrived & ~keep
         self.refold(params, weight, keep, lost.any(1), screen.clusters)
@@ -469,7 +479,7 @@ def screened_mix(num: dict[str, Tensor], den: Tensor, delivered: Tensor, arrived
                                                            scales[rows, screen.clusters])
     cap = capped(den, clean, informative, DEN_CAP) if screen.gossip_step > 0 else None
     out, new_den = mixed(num, den, delivered, arrived_num, clean, scale, keep, cap)
-    if screen.test is not None:
+    if screen.tested:
         keep, out, new_den = data_screened(num, den, delivered, arrived_num, arrived_den, clean, scale, keep, screen,
                                            out, new_den, cap)
     dropped = int((informative & ~keep).sum())
@@ -487,14 +497,13 @@ def data_screened(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arr
     """(keep, num', den'): the mix (out, new_den) of `keep`, tested on each row's data for its own cluster; in the
     rows whose mix fails, each kept arrival of that cluster is tested alone, the failing ones dropped, and the mix
     made again (one loss per row, and per arrival only where a liar hides)."""
-    assert screen.test is not None
     rows = torch.arange(den.shape[0], device=den.device)
     own = screen.clusters
     mix_den = new_den[rows, own]
     held = mix_den > MIN_WEIGHT
     estimate = {n: own_rows(v, own) / trailing(mix_den.clamp_min(MIN_WEIGHT).to(v.dtype), v[:, 0])
                 for n, v in out.items()}
-    failing = rows[held & ~screen.test(rows, estimate)]
+    failing = rows[held & ~screen.passes(rows, estimate)]
     if not failing.numel():
         return keep, out, new_den
     k = den.shape[1]
@@ -505,7 +514,7 @@ def data_screened(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arr
     r = failing[fr]
     values = {n: v.reshape(-1, *v.shape[2:]) for n, v in arrived_num.items()}
     keep = keep.clone()
-    keep[r, cols, own[r]] = data_checks(r, cols * k + own[r], values, arrived_den.reshape(-1), screen.test)
+    keep[r, cols, own[r]] = data_checks(r, cols * k + own[r], values, arrived_den.reshape(-1), screen.passes)
     return keep, *mixed(num, den, delivered, arrived_num, clean, scale, keep, cap)
 
 
