@@ -276,11 +276,13 @@ def test_chaos_script_on_real_processes_hard_kills_and_partitions_within_toleran
     (bin_dir / "kubectl").chmod(0o755)
     config = tmp_path / "experiment.json"
     with local_cluster(tmp_path / "cluster", pods=True) as cluster, Supervisor(cluster) as supervisor:
-        config.write_text(json.dumps(tiny_experiment("chaos-twin", len(cluster.workers()))))
+        # Faults every second from the first: the partition, then three kills. The run must outlast them: 12
+        # rounds took about 6 s on CI, which a kill 2 s in can miss, so it gets 40.
+        config.write_text(json.dumps(tiny_experiment("chaos-twin", len(cluster.workers()), rounds=40)))
         env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PODS": str(tmp_path / "cluster" / "pods"),
                "DFCA_API_TOKEN": cluster.api_token}
         result = subprocess.run(
-            ["bash", str(SCRIPT), "-i", "3", "-k", "3", "-p", "0.5", "-t", "900", "--hard", "--partition", "4",
+            ["bash", str(SCRIPT), "-i", "1", "-k", "3", "-p", "0.5", "-t", "900", "--hard", "--partition", "4",
              "--accuracy-tolerance", str(TWIN_ACCURACY_POINTS), "--ari-tolerance", str(TWIN_ARI),
              "--api-url", cluster.url("topology"),
              "--metrics-url", cluster.url("metrics"), str(config)],
