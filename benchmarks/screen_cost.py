@@ -27,7 +27,7 @@ from cluster_recovery import SETTINGS, config, merge
 from resumable_runs import commit
 
 from dfca.algorithms import schedule_of
-from dfca.simulator import Simulation, prepare
+from dfca.simulator import Simulation, keep_run_heap, prepare
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"  # wherever it is run from
 
@@ -52,7 +52,9 @@ def main() -> None:
     sims, cfg = {}, None
     for screen in (False, True):
         cfg = config(setting, merge(column, {"dfca": {"screen": screen}}), args.seed, args.rounds, 500)
-        sims[screen] = Simulation(prepare(cfg))
+        ctx = prepare(cfg)
+        keep_run_heap(ctx)  # the heap as simulate() keeps it
+        sims[screen] = Simulation(ctx)
     assert cfg is not None
     schedule = schedule_of(cfg)
     for t in range(schedule.seeding_rounds):

@@ -42,10 +42,9 @@ from torch import nn
 
 from dfca.algorithms import Algorithm
 from dfca.config import ExperimentConfig
-from dfca.heap import keep_freed_memory
 from dfca.models.batched import client_permutations
 from dfca.models.mlp import MLP
-from dfca.simulator import Simulation, prepare
+from dfca.simulator import Simulation, keep_run_heap, prepare
 
 
 def config(args: argparse.Namespace) -> ExperimentConfig:
@@ -269,9 +268,9 @@ def main() -> None:
                    help="JSON lines file the figures are appended to")
     args = p.parse_args()
     torch.set_flush_denormal(True)
-    keep_freed_memory()  # as simulate() does
     load = os.getloadavg()[0]
     ctx = prepare(config(args))
+    keep_run_heap(ctx)  # as simulate() does
     cfg = ctx.cfg
     sim = Simulation(ctx)
     params = {n: t.clone() for n, t in sim.algorithm.params.items()}  # type: ignore[attr-defined]

@@ -70,6 +70,13 @@ def gib(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{math.ceil(n / (1 << 20))} MiB"
 
 
+def leaves_room(needed: int) -> bool:
+    """Whether `needed` bytes of tensors take at most half of this machine's available memory (the heap may then keep
+    every block it frees: dfca.heap)."""
+    free = available_bytes("cpu")
+    return free is not None and 2 * needed <= free
+
+
 class RunTooLarge(MemoryError):
     """A run whose estimated tensors do not fit this machine's available memory."""
 

@@ -43,7 +43,7 @@ from dfca.results.evaluation import (
     index_consistency,
     populated_clusters,
 )
-from dfca.run_size import check_fits_memory
+from dfca.run_size import check_fits_memory, leaves_room
 from dfca.wire.codec import PAYLOAD_DTYPES, Envelope, as_received, body_bytes, headers_of, message_bytes
 
 log = logging.getLogger(__name__)
@@ -257,6 +257,14 @@ def sampled_edges(adjacency: Tensor, generator: torch.Generator, most: int = 200
     return out
 
 
+def keep_run_heap(ctx: SimContext) -> bool:
+    """The heap as a run keeps it (dfca.heap): each round's large tensors reuse the last round's memory, not fresh
+    pages; those above 32 MiB too where the run's tensors take at most half the memory available."""
+    cfg = ctx.cfg
+    values = ctx.model.num_params() if cfg.model.kind == "torch" else None
+    return keep_freed_memory(large_blocks=leaves_room(cfg.estimated_bytes(model_values=values)))
+
+
 def simulate(
     cfg: ExperimentConfig,
     data: FederatedData | None = None,
@@ -264,9 +272,10 @@ def simulate(
 ) -> RunResult:
     """Run `cfg` in the simulator and return its history, summary and final models."""
     torch.set_flush_denormal(True)  # denormals made some rounds 5-8x slower
-    keep_freed_memory()  # each round's large tensors reuse the last round's memory, not fresh pages
     start = time.perf_counter()
-    sim = Simulation(prepare(cfg, data))
+    ctx = prepare(cfg, data)
+    keep_run_heap(ctx)
+    sim = Simulation(ctx)
     schedule = sim.schedule
     sample = torch.Generator().manual_seed(cfg.seed * 31 + 2)
     watch = CollapseWatch(1 if type(sim.algorithm).infers_clusters else cfg.clusters)

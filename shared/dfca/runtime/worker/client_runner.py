@@ -41,7 +41,7 @@ from dfca.identity.principals import principal_of_user
 from dfca.identity.sharding import clients_of as hosted_clients
 from dfca.models.build import model_from_config
 from dfca.models.factory import allowed_factories
-from dfca.run_size import check_fits_memory
+from dfca.run_size import check_fits_memory, leaves_room
 from dfca.runtime.driver.checkpoints import CheckpointWriter
 from dfca.runtime.driver.host_transport import HostTransport, RunInterrupted
 from dfca.runtime.driver.message_driver import MessageDriver
@@ -190,7 +190,9 @@ class ClientRunner:
         spec = self.spec
         try:
             torch.set_flush_denormal(True)
-            keep_freed_memory()
+            # blocks above 32 MiB kept too where this worker's tensors leave room (a module's size is not known yet)
+            keep_freed_memory(large_blocks=spec.config.model.kind != "torch"
+                              and leaves_room(spec.config.estimated_bytes(len(spec.clients))))
             self.device = worker_device(spec.config.device, spec.device)
             if self._data is None and spec.placement is not None:
                 self._data = self._own_data(spec.placement)
