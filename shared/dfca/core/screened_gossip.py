@@ -354,42 +354,32 @@ class MergeFolds:
 
     def settle(self, params: dict[str, Tensor], weight: Tensor, screen: Screen) -> int:
         """Drops what the merge's end tests fail and refolds the rows that lost some (params and weight in place).
-        Returns how many arrivals were dropped."""
+        Returns how many arrivals were dropped. The batches are taken together (one data test and one refold,
+        whatever the batching)."""
         if not self.folded:
             return 0
-        arrived = torch.cat([a > 0 for a, _, _, _ in self.folded], 1)  # [M, S]
-        part = torch.cat([p for _, p, _, _ in self.folded])
-        distance = torch.cat([d for _, _, _, d in self.folded], 1)
+        if len(self.folded) == 1:
+            arrivals, part, models, distance = self.folded[0]
+        else:
+            arrivals = torch.cat([a for a, _, _, _ in self.folded], 1)  # [M, S]
+            part = torch.cat([p for _, p, _, _ in self.folded])
+            models = {n: torch.cat([m[n] for _, _, m, _ in self.folded]) for n in self.folded[0][2]}
+            distance = torch.cat([d for _, _, _, d in self.folded], 1)
+        arrived = arrivals > 0
         k = self.weight.shape[1]
         informative = arrived.unsqueeze(2) & torch.nn.functional.one_hot(part, k).bool().unsqueeze(0)  # [M, S, k]
         scales = cluster_scales(distance.unsqueeze(2).expand(-1, -1, k), informative, screen.reach)  # [M, k]
         keep = arrived & (distance <= screen.radius * scales.gather(1, part.unsqueeze(0).expand_as(distance)))
         if screen.tested:
-            keep &= ~self.worse_on_data(keep & (part.unsqueeze(0) == screen.clusters.unsqueeze(1)), screen)
+            keep &= ~worse_on_data(keep & (part.unsqueeze(0) == screen.clusters.unsqueeze(1)), models, screen)
         lost = arrived & ~keep
-        self.refold(params, weight, keep, lost.any(1), screen.clusters)
+        self.refold(params, weight, arrivals * keep.to(arrivals.dtype), part, models, lost.any(1), screen.clusters)
         return int(lost.sum())
 
-    def worse_on_data(self, own: Tensor, screen: Screen) -> Tensor:
-        """[M, S] bool: the arrivals `own` [M, S] of each row's own cluster whose loss on its samples is above the
-        row's limit, or above MERGE_LOSS_SPREAD times the lower median of the losses of those within it."""
-        assert screen.loss is not None and screen.loss_limit is not None
-        losses = torch.full(own.shape, math.inf, dtype=torch.float64, device=own.device)
-        at = 0
-        for _, p, models, _ in self.folded:
-            r, c = own[:, at:at + p.shape[0]].nonzero(as_tuple=True)
-            if r.numel():
-                losses[r, c + at] = data_checks(r, c, models, None, screen.loss).double()
-            at += p.shape[0]
-        worse = own & (losses > screen.loss_limit.double().unsqueeze(1))
-        peers = own & ~worse
-        some = peers.any(1)
-        median = lower_median(losses, peers | ~some.unsqueeze(1))  # rows with none: no arrival is left to test
-        return worse | (peers & (losses > MERGE_LOSS_SPREAD * median.unsqueeze(1)))
-
-    def refold(self, params: dict[str, Tensor], weight: Tensor, keep: Tensor, redo: Tensor, own: Tensor) -> None:
+    def refold(self, params: dict[str, Tensor], weight: Tensor, kept: Tensor, part: Tensor,
+               models: Mapping[str, Tensor], redo: Tensor, own: Tensor) -> None:
         """The rows `redo` [M] folded again from where the merge opened (own [M]: each row's own cluster, the one it
-        trained) with the arrivals `keep` [M, S] holds."""
+        trained) with the arrivals `kept` [M, S] (their weights; part [S] their clusters), all at once."""
         if not bool(redo.any()):
             return
         rows = redo.nonzero().squeeze(1)
@@ -397,11 +387,23 @@ class MergeFolds:
             v[rows] = self.anchor[n].index_select(0, rows).to(v.dtype)
             v[rows, own[rows]] = self.trained[n].index_select(0, rows).to(v.dtype)
         weight[rows] = self.weight[rows].to(weight.dtype)
-        at = 0
-        for arrivals, p, models, _ in self.folded:
-            kept = keep[:, at:at + p.shape[0]] & redo.unsqueeze(1)
-            fold_models(params, weight, arrivals * kept.to(arrivals.dtype), p, models)
-            at += p.shape[0]
+        fold_models(params, weight, kept * redo.unsqueeze(1).to(kept.dtype), part, models)
+
+
+def worse_on_data(own: Tensor, models: Mapping[str, Tensor], screen: Screen) -> Tensor:
+    """[M, S] bool: the arrivals `own` [M, S] of each row's own cluster (message s's model models[s]) whose loss on
+    the row's samples is above the row's limit, or above MERGE_LOSS_SPREAD times the lower median of the losses of
+    those within it."""
+    assert screen.loss is not None and screen.loss_limit is not None
+    losses = torch.full(own.shape, math.inf, dtype=torch.float64, device=own.device)
+    r, c = own.nonzero(as_tuple=True)
+    if r.numel():
+        losses[r, c] = data_checks(r, c, models, None, screen.loss).double()
+    worse = own & (losses > screen.loss_limit.double().unsqueeze(1))
+    peers = own & ~worse
+    some = peers.any(1)
+    median = lower_median(losses, peers | ~some.unsqueeze(1))  # rows with none: no arrival is left to test
+    return worse | (peers & (losses > MERGE_LOSS_SPREAD * median.unsqueeze(1)))
 
 
 def mixed(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arrived_num: Mapping[str, Tensor],
