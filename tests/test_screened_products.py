@@ -1,0 +1,95 @@
+"""core.screened_gossip's products with a step's arrivals: taken at the (row, message) pairs that are read alone
+(CSR, where they are few) they give what the products of every pair give at those pairs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dfca.core import screened_gossip as sg
+
+M, S, K = 12, 15, 3
+SHAPES = {"w": (7, 5), "b": (5,)}
+
+
+def models(rows: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    return {n: torch.randn(rows, K, *shape, generator=generator) for n, shape in SHAPES.items()}
+
+
+def step_inputs(density: float, seed: int = 0) -> tuple[dict[str, torch.Tensor], ...]:
+    g = torch.Generator().manual_seed(seed)
+    own, arrived, anchor = models(M, g), models(S, g), models(M, g)
+    own_den = torch.rand(M, K, generator=g) * (torch.rand(M, K, generator=g) < 0.6)  # some rows hold no weight
+    arrived_den = torch.rand(S, K, generator=g) + 0.1
+    read = torch.rand(M, S, K, generator=g) < density
+    step = {n: torch.randn(M, *shape, generator=g) for n, shape in SHAPES.items()}
+    clusters = torch.randint(0, K, (M,), generator=g)
+    screen = sg.Screen(anchor, torch.ones(M), clusters, 1.0, step=step)
+    return own, own_den, arrived, arrived_den, read, screen
+
+
+@pytest.mark.parametrize("density", [0.1, 0.25])
+def test_distances_at_the_pairs_read_are_those_of_every_pair(density: float) -> None:
+    own, own_den, arrived, arrived_den, read, screen = step_inputs(density)
+    assert sg.read_pairs(read[:, :, 0]) is not None  # few enough: taken at the pairs alone
+    every = sg.estimate_distances(arrived, arrived_den, own, own_den, screen)
+    screen.cached.clear()
+    sampled = sg.estimate_distances(arrived, arrived_den, own, own_den, screen, read)
+    torch.testing.assert_close(sampled[read], every[read], rtol=1e-5, atol=1e-5)
+    # and the distances themselves, formed from the estimates
+    centre = {n: torch.where((own_den > sg.MIN_WEIGHT).view(M, K, *[1] * len(shape)),
+                             own[n] / own_den.clamp_min(sg.MIN_WEIGHT).view(M, K, *[1] * len(shape)),
+                             screen.anchor[n]) for n, shape in SHAPES.items()}
+    estimate = {n: arrived[n] / arrived_den.view(S, K, *[1] * len(shape)) for n, shape in SHAPES.items()}
+    direct = sum((centre[n].unsqueeze(1) - estimate[n].unsqueeze(0)).pow(2).reshape(M, S, K, -1).sum(3)
+                 for n in SHAPES).sqrt()
+    torch.testing.assert_close(sampled[read].float(), direct[read], rtol=1e-4, atol=1e-4)
+
+
+def test_step_products_at_the_pairs_read_are_those_of_every_pair() -> None:
+    _, _, arrived, _, read, screen = step_inputs(0.1, seed=1)
+    pairs = read[:, :, 0]
+    assert sg.read_pairs(pairs) is not None
+    every = sg.step_products(arrived, screen, torch.ones(M, S, dtype=torch.bool))
+    assert sg.read_pairs(torch.ones(M, S, dtype=torch.bool)) is None  # all of them: the dense product
+    sampled = sg.step_products(arrived, screen, pairs)
+    torch.testing.assert_close(sampled[pairs], every[pairs], rtol=1e-5, atol=1e-5)
+    assert (sampled[~pairs] == 0).all()
+
+
+@pytest.mark.parametrize("density", [0.1, 0.9])
+def test_the_mix_of_few_kept_pairs_is_the_mix_of_them_as_a_sum(density: float) -> None:
+    own, own_den, arrived, arrived_den, read, _ = step_inputs(density, seed=2)
+    delivered = read.any(2)
+    clean, scale = sg.budgeted(arrived_den, 1.0 + (K - 1) * 0.5)
+    keep = read & delivered.unsqueeze(2)
+    out, den = sg.mixed(own, own_den, delivered, arrived, clean, scale, keep)
+    divisor = delivered.sum(1).float() + 1
+    for n, shape in SHAPES.items():
+        expected = own[n].clone()
+        for i in range(M):
+            for s in range(S):
+                for j in range(K):
+                    if keep[i, s, j]:
+                        expected[i, j] += scale[s, j] * arrived[n][s, j]
+        expected /= divisor.view(M, 1, *[1] * len(shape))
+        torch.testing.assert_close(out[n], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(den, (own_den + (keep.float() * clean.unsqueeze(0)).sum(1)) / divisor.unsqueeze(1))
+
+
+def test_a_merges_distances_at_the_pairs_read_are_those_of_every_pair() -> None:
+    _, _, arrived, _, read, screen = step_inputs(0.1, seed=3)
+    models = {n: v[:, 0] for n, v in arrived.items()}  # S models, one cluster each
+    part = torch.randint(0, K, (S,), generator=torch.Generator().manual_seed(4))
+    delivered = read[:, :, 0]
+    assert sg.read_pairs(delivered) is not None
+    every, every_along = sg.message_distances(models, part, screen)
+    sampled, sampled_along = sg.message_distances(models, part, screen, delivered)
+    assert every_along is not None and sampled_along is not None
+    torch.testing.assert_close(sampled[delivered], every[delivered], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sampled_along[delivered], every_along[delivered], rtol=1e-5, atol=1e-5)
+    trained = {n: screen.anchor[n].clone() for n in SHAPES}  # theta_i: the anchor, its own cluster moved by its step
+    for n in SHAPES:
+        trained[n][torch.arange(M), screen.clusters] += screen.step[n]
+    direct = sum((models[n].unsqueeze(0) - trained[n][:, part]).pow(2).reshape(M, S, -1).sum(2) for n in SHAPES).sqrt()
+    torch.testing.assert_close(sampled[delivered].float(), direct[delivered], rtol=1e-4, atol=1e-4)
