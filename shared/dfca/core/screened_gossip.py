@@ -49,6 +49,7 @@ from torch import Tensor
 
 from dfca.core.aggregation import contiguous_columns, fold_models
 from dfca.core.ratio import MIN_WEIGHT, trailing
+from dfca.core.sparse_factor import product_factor
 
 BLOCK_FLOATS = 1 << 25  # parameter values of tested estimates formed at once (128 MiB of float32)
 BEHIND = 2.0  # an estimate of the row's own cluster this many own steps behind its own estimate is dropped
@@ -470,9 +471,9 @@ def mixed(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arrived_num
     weight = keep.to(den.dtype) if cap is None else keep.to(den.dtype) * cap.to(den.dtype)  # [M, S, k]
     divisor = delivered.sum(1).to(den.dtype) + 1
     new_den = (den + (weight * clean.to(den.dtype).unsqueeze(0)).sum(1)) / trailing(divisor, den)
-    # [k, M, S]: what each arrived num counts for, over the divisor; CSR where few are non-zero (`read_pairs`)
+    # [k, M, S]: what each arrived num counts for, over the divisor; CSR where few are non-zero (SAMPLED_DENSITY)
     mix = (weight * scale.to(den.dtype).unsqueeze(0)).permute(2, 0, 1) / divisor.view(1, -1, 1)
-    factors = [mix[j] if read_pairs(mix[j] != 0) is None else sparse_factor(mix[j]) for j in range(mix.shape[0])]
+    factors = [product_factor(mix[j], SAMPLED_DENSITY) for j in range(mix.shape[0])]
     out: dict[str, Tensor] = {}
     for n, v in num.items():  # (own + mix @ arrived) / divisor, summed in place through the clusters' views [M, F]
         total = v / trailing(divisor.to(v.dtype), v)
@@ -481,13 +482,6 @@ def mixed(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arrived_num
             own[j].addmm_(factor.to(v.dtype), arrived[j])
         out[n] = total
     return out, new_den
-
-
-def sparse_factor(a: Tensor) -> Tensor:
-    """a [R, C] as a CSR first factor of addmm_."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return a.to_sparse_csr()
 
 
 def pairwise_distances(num: Mapping[str, Tensor], den: Tensor, j: int, among: Tensor) -> Tensor:

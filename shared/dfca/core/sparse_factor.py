@@ -30,13 +30,13 @@ GPU_SPARSE_DENSITY = 0.02
 SPARSE_ENTRY_COST = 9
 
 
-def product_factor(a: Tensor) -> Tensor:
-    """a [R, C] float (dense or CSR) as the first factor of addmm_: CSR where at most SPARSE_DENSITY of it is
-    non-zero (GPU_SPARSE_DENSITY on a GPU), else dense."""
+def product_factor(a: Tensor, cpu_density: float | None = None) -> Tensor:
+    """a [R, C] float (dense or CSR) as the first factor of addmm_: CSR where at most `cpu_density` (default
+    SPARSE_DENSITY) of it is non-zero (GPU_SPARSE_DENSITY on a GPU), else dense."""
     if a.dim() != 2 or a.shape[0] < 2:
         return a
     sparse = a.layout == torch.sparse_csr
-    density = SPARSE_DENSITY if a.device.type == "cpu" else GPU_SPARSE_DENSITY
+    density = (SPARSE_DENSITY if cpu_density is None else cpu_density) if a.device.type == "cpu" else GPU_SPARSE_DENSITY
     if (a._nnz() if sparse else int(a.count_nonzero())) > density * a.numel():
         return a.to_dense() if sparse else a
     if sparse:
