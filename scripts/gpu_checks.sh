@@ -4,8 +4,8 @@
 #   1. the device-parametrised tests' cuda cases, benchmarks/torch_models.py on cuda (a torch module batched over
 #      clients against a per-client loop), and with a broker the runtime's end-to-end tests on both devices
 #      (workers computing on cuda over RabbitMQ, 8-bit payloads decoded onto the GPU);
-#   2. with a broker, benchmarks/runtime_benchmark.py on the machine's cores (CPU workers) and on cuda, for the
-#      24-client config;
+#   2. with a broker, benchmarks/runtime_benchmark.py on the machine's cores (CPU workers; screened, the default,
+#      and unscreened) and on cuda, for the 24-client config;
 #   3. `dfca run` of the demo on cuda and on the CPU, and what the simulator's consensus metrics cost on cuda;
 #   4. with a broker, the runtime benchmark's demo config on the CPU and on cuda, then both configs again on the CPU;
 #   5. the simulator-round benchmark on cuda;
@@ -70,13 +70,15 @@ if [ "$broker" = yes ]; then
   within 200 env CI=true python3 -m pytest -q -p no:cacheprovider -rs tests/test_runtime_robust_rabbitmq.py
 fi
 
-bench() {  # bench DEVICE [--demo]: the runtime against the simulator, on this machine's cores or its GPU
-  step "runtime benchmark ${2:-(24 clients)} on $1"
-  within 150 python3 benchmarks/runtime_benchmark.py --skip-exchange --device "$1" ${2:+"$2"} \
+bench() {  # bench DEVICE [ARGS...]: the runtime against the simulator, on this machine's cores or its GPU
+  local device=$1; shift
+  step "runtime benchmark ${*:-(24 clients)} on $device"
+  within 150 python3 benchmarks/runtime_benchmark.py --skip-exchange --device "$device" "$@" \
     --out "$out/runtime_benchmark_runs.jsonl" | grep -v '^$'
 }
 if [ "$broker" = yes ]; then
   bench cpu
+  bench cpu --screen off  # what the screen costs on the runtime, beside the screened run above
   bench cuda
 fi
 
