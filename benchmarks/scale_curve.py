@@ -35,7 +35,8 @@ BENCHMARKS = Path(__file__).resolve().parent
 REPO = BENCHMARKS.parent
 
 
-def config(clients: int, rounds: int, degree: float, hidden: int, device: str = "cpu") -> dict[str, Any]:
+def config(clients: int, rounds: int, degree: float, hidden: int, device: str = "cpu",
+           screen: bool = True) -> dict[str, Any]:
     return {
         "name": f"scale-{clients}", "clusters": 2, "rounds": rounds, "seed": 0, "eval_every": 1, "device": device,
         "data": {"dataset": "mnist-bundled", "rotations": [0, 180], "clients": clients, "train_per_client": 80,
@@ -43,10 +44,12 @@ def config(clients: int, rounds: int, degree: float, hidden: int, device: str = 
         "model": {"kind": "mlp", "hidden": hidden},
         "train": {"lr": 0.1, "local_epochs": 5, "batch_size": 10},
         "topology": {"kind": "erdos_renyi", "p": min(1.0, degree / max(clients - 1, 1))},
+        "dfca": {"screen": screen},
     }
 
 
-def measure_one(clients: int, rounds: int, degree: float, hidden: int, device: str = "cpu") -> dict[str, Any]:
+def measure_one(clients: int, rounds: int, degree: float, hidden: int, device: str = "cpu",
+                screen: bool = True) -> dict[str, Any]:
     """Run one N here and return its figures (called in a child process)."""
     import torch
 
@@ -55,9 +58,9 @@ def measure_one(clients: int, rounds: int, degree: float, hidden: int, device: s
     from dfca.run_size import RunTooLarge, gib
     from dfca.simulator import simulate
 
-    cfg = ExperimentConfig.model_validate(config(clients, rounds, degree, hidden, device))
+    cfg = ExperimentConfig.model_validate(config(clients, rounds, degree, hidden, device, screen))
     row: dict[str, Any] = {"clients": clients, "estimated_bytes": cfg.estimated_bytes(),
-                           "threads": torch.get_num_threads(), "device": device}
+                           "threads": torch.get_num_threads(), "device": device, "screen": screen}
     phases: dict[str, list[float]] = {}
     schedule = schedule_of(cfg)
 
@@ -88,7 +91,7 @@ def measure_one(clients: int, rounds: int, degree: float, hidden: int, device: s
 
 def run_child(clients: int, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--one", str(clients), "--rounds", str(args.rounds), "--degree",
-               str(args.degree), "--hidden", str(args.hidden), "--device", args.device]
+               str(args.degree), "--hidden", str(args.hidden), "--device", args.device, "--screen", args.screen]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -108,7 +111,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, load_before: str
     gpu = next((f", on {row['gpu']}" for row in rows if "gpu" in row), "")
     lines = [
         f"`python benchmarks/scale_curve.py --clients {args.clients} --rounds {args.rounds} --degree {args.degree} "
-        f"--hidden {args.hidden} --device {args.device}` at commit {rows[0].get('commit', '?')}, one process per N "
+        f"--hidden {args.hidden} --device {args.device} --screen {args.screen}` at commit "
+        f"{rows[0].get('commit', '?')}, one process per N "
         f"({rows[0].get('threads', '?')} torch threads{gpu}); load average before {load_before}, after {load_after}.",
         "",
         "| clients N | seeding round (s) | merge round (s) | gossip round, 5 steps (s) | "
@@ -146,11 +150,14 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=200)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one N may take")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where each N's simulation runs")
+    parser.add_argument("--screen", choices=["on", "off"], default="on",
+                        help="dfca.screen, screened gossip and merges (on: the default config's)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "scale_curve")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # child: measure this N, print JSON
     args = parser.parse_args()
     if args.one is not None:
-        print(json.dumps(measure_one(args.one, args.rounds, args.degree, args.hidden, args.device)))
+        print(json.dumps(measure_one(args.one, args.rounds, args.degree, args.hidden, args.device,
+                                     args.screen == "on")))
         return 0
     sizes = [int(n) for n in args.clients.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -5,32 +5,44 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_driver_equivalence import DEVICES
 
 from dfca.core import screened_gossip as sg
+from dfca.core import sparse_factor
 
 M, S, K = 12, 15, 3
 SHAPES = {"w": (7, 5), "b": (5,)}
 
 
-def models(rows: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    return {n: torch.randn(rows, K, *shape, generator=generator) for n, shape in SHAPES.items()}
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test on the CPU and on a GPU. On a GPU the pairs are taken alone only on far sparser graphs than these
+    few rows: the GPU's density is raised to the CPU's, so the sampled products run on cuSPARSE here too."""
+    if request.param != "cpu":
+        monkeypatch.setattr(sg, "GPU_SPARSE_DENSITY", sg.SAMPLED_DENSITY)
+        monkeypatch.setattr(sparse_factor, "GPU_SPARSE_DENSITY", sg.SAMPLED_DENSITY)
+    return request.param
 
 
-def step_inputs(density: float, seed: int = 0) -> tuple[dict[str, torch.Tensor], ...]:
+def models(rows: int, generator: torch.Generator, device: str) -> dict[str, torch.Tensor]:
+    return {n: torch.randn(rows, K, *shape, generator=generator).to(device) for n, shape in SHAPES.items()}
+
+
+def step_inputs(density: float, device: str, seed: int = 0) -> tuple[dict[str, torch.Tensor], ...]:
     g = torch.Generator().manual_seed(seed)
-    own, arrived, anchor = models(M, g), models(S, g), models(M, g)
+    own, arrived, anchor = models(M, g, device), models(S, g, device), models(M, g, device)
     own_den = torch.rand(M, K, generator=g) * (torch.rand(M, K, generator=g) < 0.6)  # some rows hold no weight
     arrived_den = torch.rand(S, K, generator=g) + 0.1
     read = torch.rand(M, S, K, generator=g) < density
-    step = {n: torch.randn(M, *shape, generator=g) for n, shape in SHAPES.items()}
+    step = {n: torch.randn(M, *shape, generator=g).to(device) for n, shape in SHAPES.items()}
     clusters = torch.randint(0, K, (M,), generator=g)
-    screen = sg.Screen(anchor, torch.ones(M), clusters, 1.0, step=step)
-    return own, own_den, arrived, arrived_den, read, screen
+    screen = sg.Screen(anchor, torch.ones(M, device=device), clusters.to(device), 1.0, step=step)
+    return own, own_den.to(device), arrived, arrived_den.to(device), read.to(device), screen
 
 
 @pytest.mark.parametrize("density", [0.1, 0.25])
-def test_distances_at_the_pairs_read_are_those_of_every_pair(density: float) -> None:
-    own, own_den, arrived, arrived_den, read, screen = step_inputs(density)
+def test_distances_at_the_pairs_read_are_those_of_every_pair(density: float, device: str) -> None:
+    own, own_den, arrived, arrived_den, read, screen = step_inputs(density, device)
     assert sg.read_pairs(read[:, :, 0]) is not None  # few enough: taken at the pairs alone
     every = sg.estimate_distances(arrived, arrived_den, own, own_den, screen)
     screen.cached.clear()
@@ -46,20 +58,20 @@ def test_distances_at_the_pairs_read_are_those_of_every_pair(density: float) -> 
     torch.testing.assert_close(sampled[read].float(), direct[read], rtol=1e-4, atol=1e-4)
 
 
-def test_step_products_at_the_pairs_read_are_those_of_every_pair() -> None:
-    _, _, arrived, _, read, screen = step_inputs(0.1, seed=1)
+def test_step_products_at_the_pairs_read_are_those_of_every_pair(device: str) -> None:
+    _, _, arrived, _, read, screen = step_inputs(0.1, device, seed=1)
     pairs = read[:, :, 0]
     assert sg.read_pairs(pairs) is not None
-    every = sg.step_products(arrived, screen, torch.ones(M, S, dtype=torch.bool))
-    assert sg.read_pairs(torch.ones(M, S, dtype=torch.bool)) is None  # all of them: the dense product
+    every = sg.step_products(arrived, screen, torch.ones(M, S, dtype=torch.bool, device=device))
+    assert sg.read_pairs(torch.ones(M, S, dtype=torch.bool, device=device)) is None  # all of them: the dense product
     sampled = sg.step_products(arrived, screen, pairs)
     torch.testing.assert_close(sampled[pairs], every[pairs], rtol=1e-5, atol=1e-5)
     assert (sampled[~pairs] == 0).all()
 
 
 @pytest.mark.parametrize("density", [0.1, 0.9])
-def test_the_mix_of_few_kept_pairs_is_the_mix_of_them_as_a_sum(density: float) -> None:
-    own, own_den, arrived, arrived_den, read, _ = step_inputs(density, seed=2)
+def test_the_mix_of_few_kept_pairs_is_the_mix_of_them_as_a_sum(density: float, device: str) -> None:
+    own, own_den, arrived, arrived_den, read, _ = step_inputs(density, device, seed=2)
     delivered = read.any(2)
     clean, scale = sg.budgeted(arrived_den, 1.0 + (K - 1) * 0.5)
     keep = read & delivered.unsqueeze(2)
@@ -77,10 +89,10 @@ def test_the_mix_of_few_kept_pairs_is_the_mix_of_them_as_a_sum(density: float) -
     torch.testing.assert_close(den, (own_den + (keep.float() * clean.unsqueeze(0)).sum(1)) / divisor.unsqueeze(1))
 
 
-def test_a_merges_distances_at_the_pairs_read_are_those_of_every_pair() -> None:
-    _, _, arrived, _, read, screen = step_inputs(0.1, seed=3)
+def test_a_merges_distances_at_the_pairs_read_are_those_of_every_pair(device: str) -> None:
+    _, _, arrived, _, read, screen = step_inputs(0.1, device, seed=3)
     models = {n: v[:, 0] for n, v in arrived.items()}  # S models, one cluster each
-    part = torch.randint(0, K, (S,), generator=torch.Generator().manual_seed(4))
+    part = torch.randint(0, K, (S,), generator=torch.Generator().manual_seed(4)).to(device)
     delivered = read[:, :, 0]
     assert sg.read_pairs(delivered) is not None
     every, every_along = sg.message_distances(models, part, screen)
@@ -90,6 +102,6 @@ def test_a_merges_distances_at_the_pairs_read_are_those_of_every_pair() -> None:
     torch.testing.assert_close(sampled_along[delivered], every_along[delivered], rtol=1e-5, atol=1e-5)
     trained = {n: screen.anchor[n].clone() for n in SHAPES}  # theta_i: the anchor, its own cluster moved by its step
     for n in SHAPES:
-        trained[n][torch.arange(M), screen.clusters] += screen.step[n]
+        trained[n][torch.arange(M, device=device), screen.clusters] += screen.step[n]
     direct = sum((models[n].unsqueeze(0) - trained[n][:, part]).pow(2).reshape(M, S, -1).sum(2) for n in SHAPES).sqrt()
     torch.testing.assert_close(sampled[delivered].float(), direct[delivered], rtol=1e-4, atol=1e-4)

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from dfca.core.aggregation import contiguous_columns, fold_models
 from dfca.core.ratio import MIN_WEIGHT, trailing
-from dfca.core.sparse_factor import product_factor
+from dfca.core.sparse_factor import GPU_SPARSE_DENSITY, product_factor
 
 BLOCK_FLOATS = 1 << 25  # parameter values of tested estimates formed at once (128 MiB of float32)
 BEHIND = 2.0  # an estimate of the row's own cluster this many own steps behind its own estimate is dropped
@@ -59,7 +59,10 @@ MERGE_LOSS_SPREAD = 1.3  # a merge's arrival this many times its kept peers' med
 # A gossip step's products with the arrivals are taken at the (row, message) pairs that are read alone (CSR) where
 # those are at most this share of all pairs, on CPU: on 30 clients of MLP h=200, k=2, at a share of 0.1 / 0.2 / 0.3 /
 # 0.5 the distances' products took 0.33 / 0.55 / 0.75 / 1.04 of the dense product's time, the mix 0.39 / 0.56 /
-# 0.73 / 1.09 (one thread, the 2-core machine). A sparse graph's steps read about its density of them.
+# 0.73 / 1.09 (one thread, the 2-core machine). A sparse graph's steps read about its density of them. On a GPU the
+# dense products run near the chip's peak, and the pairs are taken alone (cuSPARSE) where they are at most
+# sparse_factor.GPU_SPARSE_DENSITY of all, as a step's mix is: 10 neighbours of 1,000 clients read 0.01 of them, and
+# the dense [N, N] products of N = 3,000 clients made a screened round cost three unscreened ones.
 SAMPLED_DENSITY = 0.3
 
 # (receiver rows [P], their estimates of their own cluster [P, ...]) -> [P] bool: keep the estimate
@@ -149,8 +152,10 @@ def by_cluster(t: Tensor) -> Tensor:
 
 def read_pairs(pairs: Tensor) -> Tensor | None:
     """The (row, message) pairs [R, C] whose products are read, as the CSR pattern to take them at alone where they
-    are few enough for that to be faster (SAMPLED_DENSITY, CPU); None: take every pair's."""
-    if pairs.device.type != "cpu" or int(pairs.sum()) > SAMPLED_DENSITY * pairs.numel():
+    are few enough for that to be faster (SAMPLED_DENSITY on CPU, GPU_SPARSE_DENSITY on a GPU); None: take every
+    pair's."""
+    density = SAMPLED_DENSITY if pairs.device.type == "cpu" else GPU_SPARSE_DENSITY
+    if int(pairs.sum()) > density * pairs.numel():
         return None
     with warnings.catch_warnings():  # "sparse CSR support is in beta": the products used are tested (core tests)
         warnings.simplefilter("ignore", UserWarning)
