@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from dfca.algorithms import HostContext, clients_of
+from dfca.algorithms import dfca as dfca_algorithm
 from dfca.algorithms.client_data import local_sgd, sample_counts
 from dfca.config import ExperimentConfig
-from dfca.core import round_seeds
+from dfca.core import gather_clusters, round_seeds
 from dfca.data.shards import BUCKET_ABOVE, BUCKET_SPREAD, from_clients
 from dfca.graph import neighbours
 from dfca.models.batched import client_permutations, step_streams
@@ -71,6 +72,22 @@ def test_padding_values_change_nothing(algorithm: str, wide: bool) -> None:
     assert clean.keys() == dirty.keys()
     for name, value in clean.items():
         assert torch.equal(value, dirty[name]), name
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_screens_losses_taken_with_eq1s_are_its_data_tests_on_the_same_samples(
+        wide: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loss of last round's model that a screened round limits its estimates by comes from the pass that takes
+    eq. 1's losses: it is the data test's own on the client's first samples, padding or no, bucketed or not."""
+    monkeypatch.setattr(dfca_algorithm, "SCREEN_SAMPLES", 7)  # some clients hold fewer (5), some many more
+    cfg = small("dfca", dfca={"traffic": "full", "variant": "robust", "screen": True})
+    algorithm = simulate(cfg, data=ragged_data(cfg, wide=wide)).algorithm
+    assert isinstance(algorithm, dfca_algorithm.DFCA) and algorithm.screen_losses is not None
+    rows = torch.arange(cfg.data.clients)
+    for j in range(cfg.clusters):
+        alone = algorithm.sample_loss(rows, gather_clusters(algorithm.params, torch.full_like(rows, j)))
+        torch.testing.assert_close(algorithm.screen_losses[:, j], alone, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(algorithm.screen_losses, algorithm.losses)  # the first samples, not all of them
 
 
 def test_fedcref_ignores_padding() -> None:

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dfca.core import accuracy_with, gather_clusters, loss_matrix, scatter_clusters
+from dfca.core import accuracy_with, gather_clusters, scatter_clusters
+from dfca.core.assignment import loss_matrices
 from dfca.core.local_update import sample_orders
 from dfca.data import FederatedData
 from dfca.data.shards import padded
@@ -31,13 +32,25 @@ def rows_of(params: Params, rows: Tensor | None) -> Params:
 
 def train_losses(model: BatchedModel, params: Params, data: FederatedData) -> Tensor:
     """[M, k]: the mean loss of every client's k models on its own train samples (eq. 1)."""
+    return train_loss_matrices(model, params, data)[0]
+
+
+def train_loss_matrices(model: BatchedModel, params: Params, data: FederatedData, head: int = 0
+                        ) -> tuple[Tensor, Tensor | None]:
+    """(train_losses, and with head > 0 the same over the samples `first_samples(data, rows, head)` takes alone),
+    from one forward pass."""
     blocks = data.blocks()
     if len(blocks) == 1:
-        return loss_matrix(model, params, data.x_train, data.y_train, data.train_mask)
-    out = torch.empty(data.num_clients, next(iter(params.values())).shape[1], device=data.true_cluster.device)
+        return loss_matrices(model, params, data.x_train, data.y_train, data.train_mask, head)
+    k = next(iter(params.values())).shape[1]
+    out = torch.empty(data.num_clients, k, device=data.true_cluster.device)
+    first = torch.empty_like(out) if head > 0 else None
     for rows, d in blocks:
-        out[rows] = loss_matrix(model, rows_of(params, rows), d.x_train, d.y_train, d.train_mask)
-    return out
+        losses, few = loss_matrices(model, rows_of(params, rows), d.x_train, d.y_train, d.train_mask, head)
+        out[rows] = losses
+        if first is not None and few is not None:
+            first[rows] = few
+    return out, first
 
 
 def test_accuracy(model: BatchedModel, params: Params, clusters: Tensor, data: FederatedData) -> Tensor:

@@ -46,7 +46,7 @@ from dfca.algorithms.base import (
     params_in,
     state_of,
 )
-from dfca.algorithms.client_data import first_samples, sample_counts, train_assigned
+from dfca.algorithms.client_data import first_samples, sample_counts, train_assigned, train_loss_matrices
 from dfca.core import (
     assign_clusters,
     fold_models,
@@ -294,7 +294,8 @@ class DFCA(Algorithm):
         cfg = ctx.cfg
         self.k = cfg.clusters
         self.params: Params = init_cluster_models(ctx.model, ctx.clients, self.k, cfg.seed, cfg.init, ctx.device)
-        self.losses = self.losses_of(self.params)
+        self.screen_losses: Tensor | None = None  # [M, k]: each model's loss on its client's screen samples
+        self.take_losses()
         self.assigned = assign_clusters(self.losses)
         self.weight = torch.ones(len(ctx.clients), self.k, device=ctx.device)  # c_ij of the open one-hop merge
         # n_i: clients of unequal size weigh their copies by their sample counts in the one-hop merge
@@ -370,7 +371,10 @@ class DFCA(Algorithm):
         reach = torch.stack([torch.linalg.vector_norm(v.reshape(len(rows), -1), dim=1).double()
                              for v in step.values()]).pow(2).sum(0).sqrt()
         reach = reach.clamp_min(1e-6)  # |step_i|: how far this round's training moved each client's own model
-        before = self.sample_loss(rows, gather_clusters(anchor, self.assigned))  # x: last round's model's loss
+        if self.screen_losses is not None:  # x: last round's model's loss, taken with eq. 1's losses
+            before = self.screen_losses.gather(1, self.assigned.unsqueeze(1)).squeeze(1)
+        else:
+            before = self.sample_loss(rows, gather_clusters(anchor, self.assigned))
         # an estimate of a row's own cluster passes at most max((1 + screen_loss) x, x + screen_loss), below chance
         limit = torch.minimum(torch.maximum((1 + d.screen_loss) * before, before + d.screen_loss),
                               torch.full_like(before, math.log(self.data().num_classes)))
@@ -480,7 +484,15 @@ class DFCA(Algorithm):
             if isinstance(self.consensus, StepConsensus):
                 self.screened += self.consensus.dropped
             self.consensus = None
-        self.losses = self.losses_of(self.params)
+        self.take_losses()
+
+    def take_losses(self) -> None:
+        """Eq. 1's losses of the models as they are and, where gossip is screened, the same on each client's first
+        SCREEN_SAMPLES samples: the next round's screen limits what its estimates may lose against the one of the
+        model its client trains (`screen`). One forward pass gives both."""
+        d = self.ctx.cfg.dfca
+        head = SCREEN_SAMPLES if d.screen and d.variant == "robust" else 0
+        self.losses, self.screen_losses = train_loss_matrices(self.ctx.model, self.params, self.data(), head)
 
     # -- reports and checkpoints ---------------------------------------------------------------------
     def evaluate(self) -> Evaluation:
@@ -497,6 +509,8 @@ class DFCA(Algorithm):
 
     def state(self) -> dict[str, Tensor]:
         extra: dict[str, Tensor] = {"losses": self.losses}
+        if self.screen_losses is not None:
+            extra["screen_losses"] = self.screen_losses
         if self.seeds is not None:  # mid-seeding: the local models and the candidates
             extra.update({f"seed.local.{n}": v for n, v in self.seeds.local.items()})
             extra.update({f"seed.candidate.{n}": v for n, v in self.seeds.models().items()})
@@ -507,6 +521,8 @@ class DFCA(Algorithm):
     def load_state(self, tensors: Mapping[str, Tensor]) -> None:
         self.params = {n: v.to(self.ctx.device) for n, v in params_in(tensors).items()}
         self.losses = tensors["losses"].to(self.ctx.device)
+        held = tensors.get("screen_losses")  # None: the screen takes its samples' losses itself
+        self.screen_losses = None if held is None else held.to(self.ctx.device)
         self.seeds = None
         if "seed.score" in tensors:
             local = {n: v.to(self.ctx.device) for n, v in params_in(tensors, "seed.local.").items()}

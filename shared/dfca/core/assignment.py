@@ -16,16 +16,29 @@ EVAL_BLOCK = 64  # clients evaluated together
 def loss_matrix(model: BatchedModel, params: Params, x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
     """Mean cross-entropy of every cluster model on every client's data (eq. 1): [M, k]. mask [M, n]: the client's
     real samples (the mean is over them; padding counts for nothing)."""
+    return loss_matrices(model, params, x, y, mask)[0]
+
+
+@torch.no_grad()
+def loss_matrices(model: BatchedModel, params: Params, x: Tensor, y: Tensor, mask: Tensor | None = None,
+                  head: int = 0) -> tuple[Tensor, Tensor | None]:
+    """(loss_matrix, and with head > 0 the same over each client's first `head` samples alone, [M, k]), from one
+    forward pass: a sample's loss does not depend on the others it is batched with."""
     M, k = next(iter(params.values())).shape[:2]
     out = torch.empty(M, k, device=x.device)
+    first = torch.empty(M, k, device=x.device) if head > 0 else None
     for lo in range(0, M, EVAL_BLOCK):
         hi = min(lo + EVAL_BLOCK, M)
         flat = {n: t[lo:hi].reshape(-1, *t.shape[2:]) for n, t in params.items()}  # [(b k), ...]
         xb, yb = repeated(x[lo:hi], k), repeated(y[lo:hi], k)
         logits = model.logits(flat, xb)
         ce = F.cross_entropy(logits.transpose(1, 2), yb, reduction="none")
-        out[lo:hi] = (ce.mean(1) if mask is None else masked_mean(ce, repeated(mask[lo:hi], k))).reshape(hi - lo, k)
-    return out
+        real = None if mask is None else repeated(mask[lo:hi], k)
+        out[lo:hi] = (ce.mean(1) if real is None else masked_mean(ce, real)).reshape(hi - lo, k)
+        if first is not None:
+            few = ce[:, :head]
+            first[lo:hi] = (few.mean(1) if real is None else masked_mean(few, real[:, :head])).reshape(hi - lo, k)
+    return out, first
 
 
 def repeated(t: Tensor, k: int) -> Tensor:
