@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from deploy_manifest import (
     with_cluster_secrets,
     worker_statefulsets,
 )
+from free_ports import free_port
 from rabbitmq_node import RabbitMQNodeError
 
 from dfca.config import parse_config
@@ -57,12 +57,6 @@ def tiny_experiment(name: str, workers: int, rounds: int = 12) -> dict[str, Any]
     }
     parse_config(config)  # the body must be a valid ExperimentConfig
     return config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

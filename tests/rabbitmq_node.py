@@ -29,6 +29,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from free_ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 BROKER_DIR = REPO / "broker"
 SERVER_BIN_DIRS = (Path("/usr/lib/rabbitmq/bin"), Path("/usr/local/lib/rabbitmq/bin"))
@@ -46,12 +48,6 @@ def server_bin_dir() -> Path | None:
         if (folder / "rabbitmq-server").exists() and (folder / "rabbitmqctl").exists():
             return folder
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def node_config(source: str, definitions: Path) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 import threading
 import time
@@ -12,18 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from free_ports import free_port, free_port_block
 
 from dfca.algorithms import schedule_of
 from dfca.cli.launcher import Stack, StackOptions, prepare_credentials
 from dfca.config import ExperimentConfig
 
 TOKEN = "test-token"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rotated_mnist(**overrides: Any) -> dict[str, Any]:
@@ -131,23 +125,6 @@ def supervised(options: StackOptions, ready: list[str] | None = None) -> Iterato
         stack.stop()
         if "@" in options.broker_url:  # a URL with credentials (default_stack's has none: its node is the test's)
             stack.delete_service_queues()  # a new deployment each time (free ports): its queues would stay 6 hours
-
-
-def free_port_block(size: int) -> int:
-    for _ in range(50):
-        base = free_port()
-        if base + size < 65535 and all(port_free(base + i) for i in range(size)):
-            return base
-    raise RuntimeError("no block of free ports")
-
-
-def port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 class Api:

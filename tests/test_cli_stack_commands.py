@@ -19,8 +19,9 @@ from typing import Any
 import httpx
 import networkx as nx
 import pytest
+from free_ports import free_port, free_port_block
 from rabbitmq_node import RabbitMQNode
-from runtime_fixtures import free_port, free_port_block, rotated_mnist
+from runtime_fixtures import rotated_mnist
 from typer.testing import CliRunner
 
 import dfca.cli.remote_commands

@@ -16,7 +16,8 @@ import httpx
 import pytest
 import uvicorn
 import yaml
-from runtime_fixtures import TOKEN, free_port, rotated_mnist, running_stack
+from free_ports import free_port
+from runtime_fixtures import TOKEN, rotated_mnist, running_stack
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 

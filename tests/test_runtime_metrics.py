@@ -15,8 +15,8 @@ import sqlalchemy
 import torch
 import uvicorn
 from fastapi.testclient import TestClient
+from free_ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
-from runtime_fixtures import free_port
 
 from dfca.config import ExperimentConfig
 from dfca.identity import topics

@@ -12,7 +12,7 @@ import httpx
 import networkx as nx
 import pytest
 from fastapi.testclient import TestClient
-from runtime_fixtures import free_port
+from free_ports import free_port
 from test_runtime_control_plane import AUTH, TOKEN, small
 
 from dfca.config import ExperimentConfig

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from rabbitmq_node import RabbitMQNode, RabbitMQNodeError, free_port, server_bin_dir
+from free_ports import free_port
+from rabbitmq_node import RabbitMQNode, RabbitMQNodeError, server_bin_dir
 from runtime_fixtures import TOKEN
 
 from dfca.cli.runtime_client import Endpoints, RuntimeClient
