@@ -44,7 +44,7 @@ def step_inputs(density: float, device: str, seed: int = 0) -> tuple[dict[str, t
 @pytest.mark.parametrize("density", [0.1, 0.25])
 def test_distances_at_the_pairs_read_are_those_of_every_pair(density: float, device: str) -> None:
     own, own_den, arrived, arrived_den, read, screen = step_inputs(density, device)
-    assert sg.read_pairs(read[:, :, 0]) is not None  # few enough: taken at the pairs alone
+    assert sg.taken_alone(read)  # few enough: taken at the pairs alone
     every = sg.estimate_distances(arrived, arrived_den, own, own_den, screen)
     screen.cached.clear()
     sampled = sg.estimate_distances(arrived, arrived_den, own, own_den, screen, read)
@@ -62,9 +62,9 @@ def test_distances_at_the_pairs_read_are_those_of_every_pair(density: float, dev
 def test_step_products_at_the_pairs_read_are_those_of_every_pair(device: str) -> None:
     _, _, arrived, _, read, screen = step_inputs(0.1, device, seed=1)
     pairs = read[:, :, 0]
-    assert sg.read_pairs(pairs) is not None
+    assert sg.taken_alone(pairs)
     every = sg.step_products(arrived, screen, torch.ones(M, S, dtype=torch.bool, device=device))
-    assert sg.read_pairs(torch.ones(M, S, dtype=torch.bool, device=device)) is None  # all of them: the dense product
+    assert not sg.taken_alone(torch.ones(M, S, dtype=torch.bool, device=device))  # all of them: the dense product
     sampled = sg.step_products(arrived, screen, pairs)
     torch.testing.assert_close(sampled[pairs], every[pairs], **CLOSE)
     assert (sampled[~pairs] == 0).all()
@@ -95,7 +95,7 @@ def test_a_merges_distances_at_the_pairs_read_are_those_of_every_pair(device: st
     models = {n: v[:, 0] for n, v in arrived.items()}  # S models, one cluster each
     part = torch.randint(0, K, (S,), generator=torch.Generator().manual_seed(4)).to(device)
     delivered = read[:, :, 0]
-    assert sg.read_pairs(delivered) is not None
+    assert sg.taken_alone(delivered)
     every, every_along = sg.message_distances(models, part, screen)
     sampled, sampled_along = sg.message_distances(models, part, screen, delivered)
     assert every_along is not None and sampled_along is not None

@@ -64,7 +64,7 @@ from dfca.core.consensus import (
     source_weights,
 )
 from dfca.core.params import gather_clusters
-from dfca.core.screened_gossip import MergeFolds, Screen, own_rows, screened_arrivals
+from dfca.core.screened_gossip import MergeFolds, Screen, own_rows, screened_arrivals, training_steps
 from dfca.core.seeding import SeedCandidates, first_slot_scores, fit_scores, refused_candidates, responds_to_input
 from dfca.models.batched import Params
 from dfca.run_size import SCREEN_COPIES
@@ -367,10 +367,8 @@ class DFCA(Algorithm):
         drifted)."""
         d = self.ctx.cfg.dfca
         rows = torch.arange(len(self.ctx.clients), device=self.ctx.device)
-        step = {n: own_rows(v, self.assigned) - own_rows(anchor[n], self.assigned) for n, v in self.params.items()}
-        reach = torch.stack([torch.linalg.vector_norm(v.reshape(len(rows), -1), dim=1).double()
-                             for v in step.values()]).pow(2).sum(0).sqrt()
-        reach = reach.clamp_min(1e-6)  # |step_i|: how far this round's training moved each client's own model
+        step, terms = training_steps(self.params, anchor, self.assigned)
+        reach = terms["step_sq"].sqrt().clamp_min(1e-6)  # |step_i|: how far training moved each client's own model
         if self.screen_losses is not None:  # x: last round's model's loss, taken with eq. 1's losses
             before = self.screen_losses.gather(1, self.assigned.unsqueeze(1)).squeeze(1)
         else:
@@ -380,7 +378,7 @@ class DFCA(Algorithm):
                               torch.full_like(before, math.log(self.data().num_classes)))
         return Screen(anchor, reach.to(self.ctx.device), self.assigned, 1 + (self.k - 1) * d.untrained_weight,
                       d.screen_trim, step, d.screen_radius, float(self.schedule.rounds_since_agreement(t)),
-                      loss=self.sample_loss, loss_limit=limit)
+                      loss=self.sample_loss, loss_limit=limit, cached=terms)
 
     def sample_loss(self, rows: Tensor, models: Params) -> Tensor:
         """[R]: the loss of models [R, ...] on the first SCREEN_SAMPLES training samples of each row."""

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dfca.core.aggregation import contiguous_columns, fold_models
+from dfca.core.aggregation import fold_models
 from dfca.core.ratio import MIN_WEIGHT, trailing
 from dfca.core.sparse_factor import GPU_SPARSE_DENSITY, product_factor
 
@@ -111,6 +111,24 @@ def anchor_norms(screen: Screen) -> Tensor:
     return screen.cached["anchor_sq"]
 
 
+def training_steps(trained: Mapping[str, Tensor], anchor: Mapping[str, Tensor], clusters: Tensor
+                   ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(step, terms): each row's step of its own cluster, trained less anchor [M, ...] (both [M, k, ...], clusters
+    [M]), and what a round's screen takes of the steps once (`step_terms`), formed in the same pass:
+    "anchor_step" anchor_{i,c(i)} . step_i and "step_sq" |step_i|^2, [M] each (a Screen's `cached`)."""
+    m = clusters.shape[0]
+    step: dict[str, Tensor] = {}
+    dot = torch.zeros(m, dtype=torch.float64, device=clusters.device)
+    sq = torch.zeros_like(dot)
+    for n, v in trained.items():
+        start = own_rows(anchor[n], clusters)
+        step[n] = own_rows(v, clusters) - start
+        flat = step[n].reshape(m, -1)
+        dot += (start.reshape(m, -1) * flat).sum(1).double()
+        sq += torch.linalg.vector_norm(flat, dim=1).double().pow(2)
+    return step, {"anchor_step": dot, "step_sq": sq}
+
+
 def step_terms(screen: Screen) -> tuple[Tensor, Tensor]:
     """([M], [M]): anchor_{i,c(i)} . step_i and |step_i|^2, taken once a round."""
     assert screen.step is not None
@@ -154,28 +172,37 @@ def by_cluster(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], t.shape[1], -1).transpose(0, 1)
 
 
-def read_pairs(pairs: Tensor) -> Tensor | None:
-    """The (row, message) pairs [R, C] whose products are read, as the CSR pattern to take them at alone where they
-    are few enough for that to be faster (SAMPLED_DENSITY on CPU, GPU_SPARSE_DENSITY on a GPU); None: take every
-    pair's."""
+def taken_alone(pairs: Tensor) -> bool:
+    """Whether the pairs [...] bool that are read are few enough of all for products at them alone to be faster
+    than every pair's (SAMPLED_DENSITY on CPU, GPU_SPARSE_DENSITY on a GPU)."""
     density = SAMPLED_DENSITY if pairs.device.type == "cpu" else GPU_SPARSE_DENSITY
-    if int(pairs.sum()) > density * pairs.numel():
-        return None
+    return int(pairs.sum()) <= density * pairs.numel()
+
+
+def pair_products(a: Tensor, b: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """[P] float64: a[rows[p]] . b[cols[p]] (a [R, F], b [C, F]) at P distinct pairs alone, in their order: one
+    sampled product (CSR) where the rows are wide (F >= SAMPLED_WIDTH), else every pair's product, read at them.
+    The rows of a row-major [R, k, F] as its [R k, F] view are contiguous, which the sampled product needs to take
+    them in place (a cluster's [R, F] view is copied first: several times as long, measured)."""
+    if a.shape[1] < SAMPLED_WIDTH:
+        return (a @ b.T)[rows, cols].double()
+    key = rows * b.shape[0] + cols
+    order = torch.argsort(key)
+    crow = torch.zeros(a.shape[0] + 1, dtype=torch.long, device=a.device)
+    crow[1:] = torch.cumsum(torch.bincount(rows, minlength=a.shape[0]), 0)
     with warnings.catch_warnings():  # "sparse CSR support is in beta": the products used are tested (core tests)
         warnings.simplefilter("ignore", UserWarning)
-        return pairs.float().to_sparse_csr()
+        pattern = torch.sparse_csr_tensor(crow, cols[order], torch.ones(order.shape[0], dtype=a.dtype,
+                                                                       device=a.device), (a.shape[0], b.shape[0]))
+        values = torch.sparse.sampled_addmm(pattern, a, b.T, beta=0.0).values()
+    out = torch.empty(order.shape[0], dtype=torch.float64, device=a.device)
+    out[order] = values.double()
+    return out
 
 
-def pair_products(a: Tensor, b: Tensor, pattern: Tensor | None) -> Tensor:
-    """[R, C] float64: a[r] . b[c] (a [R, F], b [C, F]) at the pattern's pairs (0 elsewhere), or at every pair. A
-    narrow tensor's (F < SAMPLED_WIDTH) are taken at every pair, then kept at the pattern's."""
-    if pattern is None:
-        return (a @ b.T).double()
-    if a.shape[1] < SAMPLED_WIDTH:
-        return (a @ b.T).double() * pattern.to_dense()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.sparse.sampled_addmm(pattern.to(a.dtype), a, b.T, beta=0.0).to_dense().double()
+def flat_rows(v: Tensor) -> Tensor:
+    """[R, k, ...] -> [R k, F]: row r's cluster j at row r k + j (a view where v is contiguous)."""
+    return v.reshape(v.shape[0] * v.shape[1], -1)
 
 
 def estimate_distances(num: Mapping[str, Tensor], den: Tensor, own_num: Mapping[str, Tensor], own_den: Tensor,
@@ -184,37 +211,44 @@ def estimate_distances(num: Mapping[str, Tensor], den: Tensor, own_num: Mapping[
     the row's centre: its own estimate own_num / own_den where it holds weight, else its anchor. As
     (|n|^2 / d^2 + |c|^2 - 2 c.n / d), a product per cluster and tensor (and one with the anchors of the rows that
     hold no weight of the cluster): no estimate is formed. read [M, S, k]: the distances that are read (the others
-    are left inexact); products are taken at those alone where they are few (`read_pairs`)."""
+    are left inexact); where they are few (`taken_alone`), the products are taken at those alone, every cluster's in
+    one sampled product per tensor."""
     inv = 1.0 / den.clamp_min(MIN_WEIGHT).double()  # [S, k]
     held = own_den > MIN_WEIGHT  # [M, k]
     own_inv = torch.where(held, 1.0 / own_den.clamp_min(MIN_WEIGHT).double(), torch.zeros_like(own_den).double())
     m, s, k = own_den.shape[0], den.shape[0], den.shape[1]
-    if read is None:
-        read = torch.ones(m, s, k, dtype=torch.bool, device=den.device)
-    plans = []  # per cluster: its held rows' pattern (False: none read); its unheld rows, their pattern
-    for j in range(k):
-        at_held, at_unheld = read[:, :, j] & held[:, j:j + 1], read[:, :, j] & ~held[:, j:j + 1]
-        held_plan = read_pairs(at_held) if bool(at_held.any()) else False
-        unheld_plan = read_pairs(at_unheld) if bool(at_unheld.any()) else False
-        rows = (~held[:, j]).nonzero().squeeze(1) if unheld_plan is None else None  # taken densely: their rows
-        plans.append((held_plan, unheld_plan, rows))
     cross = torch.zeros(m, s, k, dtype=torch.float64, device=den.device)
     c_sq = torch.where(held, torch.zeros_like(own_inv), anchor_norms(screen))  # the unheld rows': |anchor|^2
     n_sq = torch.zeros(s, k, dtype=torch.float64, device=den.device)
+    if read is None:
+        read = torch.ones(m, s, k, dtype=torch.bool, device=den.device)
+    at_held, at_unheld = read & held.unsqueeze(1), read & ~held.unsqueeze(1)  # [M, S, k]
+    alone = taken_alone(read)
+    if alone:  # the (i, s, j) triples read, of rows that hold weight of j, and of rows that do not
+        held_ix, unheld_ix = at_held.nonzero(as_tuple=True), at_unheld.nonzero(as_tuple=True)
+    else:
+        some_held, some_unheld = at_held.any(1).any(0).tolist(), at_unheld.any(1).any(0).tolist()  # [k] each
     for name, v in own_num.items():
-        oj, nj = by_cluster(v), by_cluster(num[name].to(v.dtype))  # [k, M, F], [k, S, F]
         n_sq += squared_norms(num[name])
         c_sq += squared_norms(v) * own_inv * own_inv
-        for j, (held_plan, unheld_plan, rows) in enumerate(plans):
-            if held_plan is not False:
-                cross[:, :, j] += pair_products(oj[j], nj[j], held_plan) * own_inv[:, j:j + 1]
-            if unheld_plan is False:
-                continue
-            anchors = screen.anchor[name][:, j].reshape(m, -1)  # a view; rows without weight of j: their anchor
-            if rows is None:  # at the pairs read alone: every row's anchor, the pattern holds the unheld rows' pairs
-                cross[:, :, j] += pair_products(anchors, nj[j].to(anchors.dtype), unheld_plan)
-            elif rows.numel():
-                cross[rows, :, j] += pair_products(anchors.index_select(0, rows), nj[j].to(anchors.dtype), None)
+        if alone:
+            x = flat_rows(num[name].to(v.dtype))  # [S k, F]
+            i, t, j = held_ix
+            if i.numel():
+                cross[i, t, j] += pair_products(flat_rows(v), x, i * k + j, t * k + j) * own_inv[i, j]
+            i, t, j = unheld_ix
+            if i.numel():
+                anchor = screen.anchor[name]
+                cross[i, t, j] += pair_products(flat_rows(anchor), x.to(anchor.dtype), i * k + j, t * k + j)
+            continue
+        oj, nj = by_cluster(v), by_cluster(num[name].to(v.dtype))  # [k, M, F], [k, S, F]
+        for j in range(k):
+            if some_held[j]:
+                cross[:, :, j] += (oj[j] @ nj[j].T).double() * own_inv[:, j:j + 1]
+            if some_unheld[j]:  # rows without weight of j: their anchor
+                rows = (~held[:, j]).nonzero().squeeze(1)
+                anchors = screen.anchor[name][:, j].reshape(m, -1).index_select(0, rows)
+                cross[rows, :, j] += (anchors @ nj[j].to(anchors.dtype).T).double()
     sq = c_sq.unsqueeze(1) + (n_sq * inv * inv).unsqueeze(0) - 2 * cross * inv.unsqueeze(0)
     return sq.clamp_min(0.0).sqrt()
 
@@ -274,18 +308,26 @@ def cluster_steps(screen: Screen, name: str) -> list[tuple[int, Tensor, Tensor]]
 
 def step_products(values: Mapping[str, Tensor], screen: Screen, read: Tensor) -> Tensor:
     """[M, S]: values[s, c(i)] . step_i for every row i and message s (values [S, k, ...]) that `read` [M, S] holds
-    (0 elsewhere), one product per cluster over the rows that trained it (at the pairs read alone where they are
-    few: `read_pairs`)."""
+    (0 elsewhere): one product per cluster over the rows that trained it, or, where the pairs read are few
+    (`taken_alone`), one at those pairs alone."""
+    assert screen.step is not None
     m, s = screen.clusters.shape[0], next(iter(values.values())).shape[0]
     out = torch.zeros(m, s, dtype=torch.float64, device=screen.clusters.device)
-    patterns: dict[int, Tensor | None] = {}
+    if taken_alone(read):
+        i, t = read.nonzero(as_tuple=True)
+        if not i.numel():
+            return out
+        k = next(iter(values.values())).shape[1]
+        cols = t * k + screen.clusters[i]  # message t's copy of row i's own cluster
+        for n, v in values.items():
+            step = screen.step[n].reshape(m, -1)
+            out[i, t] += pair_products(step, flat_rows(v).to(step.dtype), i, cols)
+        return out
     for n, v in values.items():
         clusters = by_cluster(v)  # [k, S, F], a view
         for j, rows, step in cluster_steps(screen, n):
-            if j not in patterns:
-                patterns[j] = read_pairs(read.index_select(0, rows))
-            out[rows] += pair_products(step, clusters[j].to(step.dtype), patterns[j])
-    return out
+            out[rows] += (step @ clusters[j].to(step.dtype).T).double()
+    return out * read
 
 
 def behind_own_step(num: Mapping[str, Tensor], den: Tensor, own_num: Mapping[str, Tensor], own_den: Tensor,
@@ -314,34 +356,33 @@ def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen
     part[s]), theta_i row i's models as training left them: its anchor, its own cluster moved by its step; and, with
     a step, models[s] . step_i. As |x - a|^2, less 2 (x - a).step - |step|^2 where part[s] is the row's own cluster:
     no model is copied, and one product per tensor (`merge_factors`) reads the messages once. read [M, S]: the pairs
-    that are read (the others are left inexact); where they are few (`read_pairs`), the products are taken at them
-    alone, a cluster's anchors with its messages."""
+    that are read (the others are left inexact); where they are few (`taken_alone`), the products are taken at them
+    alone, each message with its cluster's anchor."""
     m, s = screen.clusters.shape[0], part.shape[0]
     k = next(iter(screen.anchor.values())).shape[1]
     own = part.unsqueeze(0) == screen.clusters.unsqueeze(1)  # [M, S]
     sq = anchor_norms(screen).index_select(1, part)  # [M, S]: |a_{i,part[s]}|^2
     along = None if screen.step is None else torch.zeros(m, s, dtype=torch.float64, device=part.device)
-    pattern = None if read is None else read_pairs(read)
-    by_part = []  # per cluster of the messages: (j, its messages, the pattern of their pairs read)
-    if pattern is not None:
-        for j in part.unique().tolist():
-            cols = contiguous_columns(part == j)
-            by_part.append((j, cols, read_pairs(read[:, cols])))
+    alone = read is not None and taken_alone(read)
+    if alone:
+        assert read is not None
+        i, t = read.nonzero(as_tuple=True)
+        at_part = i * k + part[t]  # row i's anchor of message t's cluster, in the anchors' [M k, F] view
     pick = part.view(1, 1, s).expand(m, 1, s)
     for name, anchor in screen.anchor.items():
         x = models[name].reshape(s, -1).to(anchor.dtype)
         sq = sq + squared_norms(x.unsqueeze(1)).squeeze(1).unsqueeze(0)
-        if pattern is None:
+        if not alone:
             factors = merge_factors(screen, name)
             products = factors @ x.T  # [M k (+ M), S]: a_ij . x_s for every cluster j (and step_i . x_s)
             sq -= 2 * products[:m * k].view(m, k, s).gather(1, pick).squeeze(1).double()
             if along is not None:
                 along += products[m * k:].double()
             continue
-        for j, cols, at in by_part:  # cluster j's anchors (a view) with its messages, at the pairs read
-            sq[:, cols] -= 2 * pair_products(anchor[:, j].reshape(m, -1), x[cols], at)
-        if along is not None and screen.step is not None:
-            along += pair_products(screen.step[name].reshape(m, -1).to(x.dtype), x, pattern)
+        if i.numel():  # at the pairs read alone: a message with its cluster's anchor, and with the row's step
+            sq[i, t] -= 2 * pair_products(flat_rows(anchor), x, at_part, t)
+            if along is not None and screen.step is not None:
+                along[i, t] += pair_products(screen.step[name].reshape(m, -1).to(x.dtype), x, i, t)
     if along is not None:
         anchor_step, step_sq = step_terms(screen)
         moved = along - anchor_step.unsqueeze(1)  # [M, S]: (x - a).step
@@ -578,8 +619,8 @@ def data_screened(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arr
     own = screen.clusters
     mix_den = new_den[rows, own]
     held = mix_den > MIN_WEIGHT
-    estimate = {n: own_rows(v, own) / trailing(mix_den.clamp_min(MIN_WEIGHT).to(v.dtype), v[:, 0])
-                for n, v in out.items()}
+    estimate = {n: own_rows(v, own).div_(trailing(mix_den.clamp_min(MIN_WEIGHT).to(v.dtype), v[:, 0]))
+                for n, v in out.items()}  # own_rows copies: divided in place
     failing = rows[held & ~screen.passes(rows, estimate)]
     if not failing.numel():
         return keep, out, new_den
