@@ -342,9 +342,10 @@ def behind_own_step(num: Mapping[str, Tensor], den: Tensor, own_num: Mapping[str
     arrived_den = den[:, own].T.double().clamp_min(MIN_WEIGHT)  # [M, S]
     _, step_sq = step_terms(screen)
     centre_step = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
-    for n, v in own_num.items():
+    k = den.shape[1]
+    for n, v in own_num.items():  # num_{i,c(i)} . step_i, read in place from the [M k, F] view
         step = screen.step[n].reshape(rows.shape[0], -1)
-        centre_step += (own_rows(v, own).reshape(rows.shape[0], -1) * step).sum(1).double()
+        centre_step += pair_products(step, flat_rows(v).to(step.dtype), rows, rows * k + own)
     centre_step /= own_den[rows, own].double().clamp_min(MIN_WEIGHT)
     along = step_products(num, screen, read) / arrived_den - centre_step.unsqueeze(1)
     return along < -BEHIND * (step_sq.sqrt() * torch.maximum(step_sq.sqrt(), spread)).unsqueeze(1)
