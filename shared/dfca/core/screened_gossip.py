@@ -114,33 +114,31 @@ def anchor_norms(screen: Screen) -> Tensor:
 def training_steps(trained: Mapping[str, Tensor], anchor: Mapping[str, Tensor], clusters: Tensor
                    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """(step, terms): each row's step of its own cluster, trained less anchor [M, ...] (both [M, k, ...], clusters
-    [M]), and what a round's screen takes of the steps once (`step_terms`), formed in the same pass:
-    "anchor_step" anchor_{i,c(i)} . step_i and "step_sq" |step_i|^2, [M] each (a Screen's `cached`)."""
-    m = clusters.shape[0]
-    step: dict[str, Tensor] = {}
-    dot = torch.zeros(m, dtype=torch.float64, device=clusters.device)
+    [M]), and `step_dots` of them, from the same rows of the anchor (a Screen's `cached`)."""
+    start = {n: own_rows(anchor[n], clusters) for n in trained}
+    step = {n: own_rows(v, clusters) - start[n] for n, v in trained.items()}
+    return step, step_dots(start, step)
+
+
+def step_dots(start: Mapping[str, Tensor], step: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """What a round's screen takes of its steps once (`step_terms`): "anchor_step", start_i . step_i, and "step_sq",
+    |step_i|^2, [M] each (start and step [M, ...]: each row's own cluster's anchor and step)."""
+    m = next(iter(step.values())).shape[0]
+    dot = torch.zeros(m, dtype=torch.float64, device=next(iter(step.values())).device)
     sq = torch.zeros_like(dot)
-    for n, v in trained.items():
-        start = own_rows(anchor[n], clusters)
-        step[n] = own_rows(v, clusters) - start
-        flat = step[n].reshape(m, -1)
-        dot += (start.reshape(m, -1) * flat).sum(1).double()
+    for n, v in step.items():
+        flat = v.reshape(m, -1)
+        dot += (start[n].reshape(m, -1) * flat).sum(1).double()
         sq += torch.linalg.vector_norm(flat, dim=1).double().pow(2)
-    return step, {"anchor_step": dot, "step_sq": sq}
+    return {"anchor_step": dot, "step_sq": sq}
 
 
 def step_terms(screen: Screen) -> tuple[Tensor, Tensor]:
-    """([M], [M]): anchor_{i,c(i)} . step_i and |step_i|^2, taken once a round."""
+    """([M], [M]): anchor_{i,c(i)} . step_i and |step_i|^2, taken once a round (`training_steps` gives them)."""
     assert screen.step is not None
     if "anchor_step" not in screen.cached:
-        m = screen.clusters.shape[0]
-        dot = torch.zeros(m, dtype=torch.float64, device=screen.clusters.device)
-        sq = torch.zeros_like(dot)
-        for n, a in screen.anchor.items():
-            step = screen.step[n].reshape(m, -1)
-            dot += (own_rows(a, screen.clusters).reshape(m, -1) * step).sum(1).double()
-            sq += torch.linalg.vector_norm(step, dim=1).double().pow(2)
-        screen.cached["anchor_step"], screen.cached["step_sq"] = dot, sq
+        start = {n: own_rows(a, screen.clusters) for n, a in screen.anchor.items()}
+        screen.cached.update(step_dots(start, screen.step))
     return screen.cached["anchor_step"], screen.cached["step_sq"]
 
 
