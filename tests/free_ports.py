@@ -26,8 +26,8 @@ def ephemeral_start() -> int:
 
 
 def usable(port: int) -> bool:
-    return LOWEST <= port < ephemeral_start() and not any(lo <= port < hi for lo, hi in OTHER_STACKS) \
-        and port not in _given
+    """Not another stack's, and not handed out before (the range's bounds are the draw's: `free_port_block`)."""
+    return not any(lo <= port < hi for lo, hi in OTHER_STACKS) and port not in _given
 
 
 def port_free(port: int) -> bool:

@@ -34,7 +34,7 @@ def self_weights(assigned: Tensor, k: int, merge: str) -> Tensor:
     raise ValueError(f"dfca.merge: unknown merge rule {merge!r} (paper or fresh)")
 
 
-def contiguous_columns(mask: Tensor) -> slice | Tensor:
+def _columns(mask: Tensor) -> slice | Tensor:
     """The indices where `mask` holds: a slice when they are contiguous (a view, no copy), else an index."""
     cols = mask.nonzero().squeeze(1)
     first, last = int(cols[0]), int(cols[-1])
@@ -54,7 +54,7 @@ def fold_models(params: Params, weight: Tensor, arrivals: Tensor, cluster: Tenso
     M = arrivals.shape[0]
     arrivals = arrivals.to(weight.dtype)
     for j in cluster.unique().tolist():
-        cols = contiguous_columns(cluster == j)
+        cols = _columns(cluster == j)
         a = arrivals[:, cols]
         got = a.sum(1)
         moved = got > 0
