@@ -13,6 +13,7 @@ import torch
 from test_driver_equivalence import small_config
 
 from dfca.algorithms import schedule_of
+from dfca.algorithms.dfca import DFCA
 from dfca.config import ExperimentConfig
 from dfca.graph import neighbours
 from dfca.identity import topics
@@ -480,6 +481,58 @@ def test_messages_that_trickle_in_are_folded_in_batches_with_the_same_result() -
     assert at_once.keys() == trickling.keys()
     for name, value in at_once.items():
         torch.testing.assert_close(trickling[name], value, rtol=1e-6, atol=1e-7)
+
+
+def star_gossip_receives(degree: int, trickle: bool, monkeypatch: pytest.MonkeyPatch, held: bool = True
+                         ) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """Two robust, screened rounds at the centre of a star of `degree` neighbours on another worker (messages all
+    there at once or trickling in): how many inboxes each of round 1's screened gossip steps handed the centre's
+    algorithm, and the centre's state. held=False: as if the algorithm folded what arrives as it comes."""
+    cfg = small_config(aggregation="sequential", rounds=2, dfca={"variant": "robust", "seeding": "none",
+                                                                 "warmup_rounds": 0, "gossip_steps": 2},
+                       data={"clients": degree + 1, "train_per_client": 5, "test_per_client": 2})
+    assert cfg.dfca.screen
+    if not held:
+        monkeypatch.setattr(DFCA, "holds_arrivals", lambda self, ex: False)
+    ctx = prepare(cfg)
+    graph = {0: list(range(1, degree + 1)), **{c: [0] for c in range(1, degree + 1)}}
+    broker = InMemoryBroker()
+    transport = OneAtATime(broker) if trickle else InMemoryTransport(broker)
+    centre = client_driver(cfg, "star", [0], ctx.data.subset([0]), graph, transport,
+                           queue=topics.worker_queue("star", "worker-0"))
+    others = list(range(1, degree + 1))
+    rest = client_driver(cfg, "star", others, ctx.data.subset(others), graph, InMemoryTransport(broker),
+                         queue=topics.worker_queue("star", "worker-1"))
+    inboxes: Counter[int] = Counter()
+    receive = centre.algorithm.receive
+
+    def counted(ex: Any, inbox: Any) -> int:
+        consensus = getattr(centre.algorithm, "consensus", None)
+        if ex.name == "gossip" and centre.round == 1:
+            assert consensus is not None and consensus.screen is not None
+            inboxes[ex.step] += 1
+        return receive(ex, inbox)
+
+    centre.algorithm.receive = counted  # type: ignore[method-assign]
+    run = LockstepRun([rest, centre], None)
+    for t in range(2):
+        lockstep_round(run, t)
+    return [inboxes[step] for step in sorted(inboxes)], centre.algorithm.state()
+
+
+@pytest.mark.parametrize("trickle", [False, True])
+def test_a_screened_gossip_step_gets_its_arrivals_in_one_inbox(trickle: bool, monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    """A screened gossip step keeps what arrives until the step ends and mixes it all at once (holds_arrivals), so
+    the driver hands it over in one inbox, not FOLD_BATCH messages at a time for the step to join again; the step
+    ends where it ends with the messages in pieces."""
+    whole, state = star_gossip_receives(20, trickle, monkeypatch)
+    assert whole == [1, 1]  # 20 messages, each step
+    pieces, in_pieces = star_gossip_receives(20, trickle, monkeypatch, held=False)
+    assert pieces == [2, 2]  # 16, then 4
+    assert state.keys() == in_pieces.keys()
+    for name, value in state.items():
+        torch.testing.assert_close(in_pieces[name], value, rtol=1e-6, atol=1e-7)
 
 
 class CountedConfirms(InMemoryTransport):

@@ -219,6 +219,11 @@ class Algorithm(ABC):
     def end_exchange(self, ex: Exchange) -> None:  # noqa: B027 - an optional hook
         """After the exchange's last delivery."""
 
+    def holds_arrivals(self, ex: Exchange) -> bool:
+        """True where `receive` only keeps what arrives for `ex`, all of it used together at `end_exchange`: the
+        message driver then folds it as one inbox once nothing more is due, not a few messages at a time."""
+        return False
+
     def end_round(self, t: int) -> None:  # noqa: B027 - an optional hook
         """After the round's last exchange."""
 

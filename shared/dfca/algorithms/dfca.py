@@ -460,6 +460,10 @@ class DFCA(Algorithm):
             ok &= (same.mean(1) if mask is None else masked_mean(same, mask)) < DUPLICATE_AGREEMENT
         return ok
 
+    def holds_arrivals(self, ex: Exchange) -> bool:
+        """A screened gossip step keeps its arrivals for the step's end (screened_mix takes them together)."""
+        return ex.name == "gossip" and isinstance(self.consensus, StepConsensus) and self.consensus.screen is not None
+
     def end_exchange(self, ex: Exchange) -> None:
         if ex.name == "gossip":
             assert self.consensus is not None

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -354,7 +354,8 @@ def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen
     """([M, S], [M, S] or None): |models[s] - theta_{i,part[s]}| for every row i and message s (a model of cluster
     part[s]), theta_i row i's models as training left them: its anchor, its own cluster moved by its step; and, with
     a step, models[s] . step_i. As |x - a|^2, less 2 (x - a).step - |step|^2 where part[s] is the row's own cluster:
-    no model is copied, and one product per tensor (`merge_factors`) reads the messages once. read [M, S]: the pairs
+    no model is copied, and one product per tensor with the anchors' [M k, F] view (and one with the steps) reads the
+    messages. read [M, S]: the pairs
     that are read (the others are left inexact); where they are few (`taken_alone`), the products are taken at them
     alone, each message with its cluster's anchor."""
     m, s = screen.clusters.shape[0], part.shape[0]
@@ -372,11 +373,10 @@ def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen
         x = models[name].reshape(s, -1).to(anchor.dtype)
         sq = sq + squared_norms(x.unsqueeze(1)).squeeze(1).unsqueeze(0)
         if not alone:
-            factors = merge_factors(screen, name)
-            products = factors @ x.T  # [M k (+ M), S]: a_ij . x_s for every cluster j (and step_i . x_s)
-            sq -= 2 * products[:m * k].view(m, k, s).gather(1, pick).squeeze(1).double()
-            if along is not None:
-                along += products[m * k:].double()
+            products = flat_rows(anchor) @ x.T  # [M k, S]: a_ij . x_s for every cluster j
+            sq -= 2 * products.view(m, k, s).gather(1, pick).squeeze(1).double()
+            if along is not None and screen.step is not None:
+                along += (screen.step[name].reshape(m, -1).to(x.dtype) @ x.T).double()  # step_i . x_s
             continue
         if i.numel():  # at the pairs read alone: a message with its cluster's anchor, and with the row's step
             sq[i, t] -= 2 * pair_products(flat_rows(anchor), x, at_part, t)
@@ -387,17 +387,6 @@ def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen
         moved = along - anchor_step.unsqueeze(1)  # [M, S]: (x - a).step
         sq -= own.double() * (2 * moved - step_sq.unsqueeze(1))
     return sq.clamp_min(0.0).sqrt(), along
-
-
-def merge_factors(screen: Screen, name: str) -> Tensor:
-    """[M k (+ M), F]: the rows' anchors of every cluster of tensor `name` (and their steps, with a step) as the rows
-    of one matrix, taken once a round: each batch of a merge's messages is multiplied by it in one product."""
-    if f"factors.{name}" not in screen.cached:
-        a = screen.anchor[name]
-        anchors = a.reshape(a.shape[0] * a.shape[1], -1)  # a view
-        screen.cached[f"factors.{name}"] = anchors if screen.step is None else torch.cat(
-            [anchors, screen.step[name].reshape(a.shape[0], -1).to(a.dtype)])
-    return screen.cached[f"factors.{name}"]
 
 
 def data_checks(rows: Tensor, flat: Tensor, values: Mapping[str, Tensor], divisor: Tensor | None,
@@ -464,17 +453,14 @@ class MergeFolds:
 
     def settle(self, params: dict[str, Tensor], weight: Tensor, screen: Screen) -> int:
         """Drops what the merge's end tests fail and refolds the rows that lost some (params and weight in place).
-        Returns how many arrivals were dropped. The batches are taken together (one data test and one refold,
-        whatever the batching)."""
+        Returns how many arrivals were dropped. The batches' arrivals are judged together (one scale per row and
+        cluster); their models are read where they arrived, batch by batch, never copied into one tensor."""
         if not self.folded:
             return 0
-        if len(self.folded) == 1:
-            arrivals, part, models, distance = self.folded[0]
-        else:
-            arrivals = torch.cat([a for a, _, _, _ in self.folded], 1)  # [M, S]
-            part = torch.cat([p for _, p, _, _ in self.folded])
-            models = {n: torch.cat([m[n] for _, _, m, _ in self.folded]) for n in self.folded[0][2]}
-            distance = torch.cat([d for _, _, _, d in self.folded], 1)
+        arrivals = torch.cat([a for a, _, _, _ in self.folded], 1)  # [M, S]
+        part = torch.cat([p for _, p, _, _ in self.folded])
+        distance = torch.cat([d for _, _, _, d in self.folded], 1)
+        models = [m for _, _, m, _ in self.folded]
         arrived = arrivals > 0
         k = self.weight.shape[1]
         informative = arrived.unsqueeze(2) & torch.nn.functional.one_hot(part, k).bool().unsqueeze(0)  # [M, S, k]
@@ -487,9 +473,11 @@ class MergeFolds:
         return int(lost.sum())
 
     def refold(self, params: dict[str, Tensor], weight: Tensor, kept: Tensor, part: Tensor,
-               models: Mapping[str, Tensor], redo: Tensor, own: Tensor) -> None:
+               models: Sequence[Mapping[str, Tensor]], redo: Tensor, own: Tensor) -> None:
         """The rows `redo` [M] folded again from where the merge opened (own [M]: each row's own cluster, the one it
-        trained) with the arrivals `kept` [M, S] (their weights; part [S] their clusters), all at once."""
+        trained) with the arrivals `kept` [M, S] (their weights; part [S] their clusters; models: the batches'
+        models, whose messages are the columns of `kept` in order), a batch at a time (eq. 8's running average:
+        the same average however the arrivals are batched)."""
         if not bool(redo.any()):
             return
         rows = redo.nonzero().squeeze(1)
@@ -497,18 +485,31 @@ class MergeFolds:
             v[rows] = self.anchor[n].index_select(0, rows).to(v.dtype)
             v[rows, own[rows]] = self.trained[n].index_select(0, rows).to(v.dtype)
         weight[rows] = self.weight[rows].to(weight.dtype)
-        fold_models(params, weight, kept * redo.unsqueeze(1).to(kept.dtype), part, models)
+        kept = kept * redo.unsqueeze(1).to(kept.dtype)
+        for columns, batch in batch_columns(models):
+            fold_models(params, weight, kept[:, columns], part[columns], batch)
 
 
-def worse_on_data(own: Tensor, models: Mapping[str, Tensor], screen: Screen) -> Tensor:
-    """[M, S] bool: the arrivals `own` [M, S] of each row's own cluster (message s's model models[s]) whose loss on
-    the row's samples is above the row's limit, or above MERGE_LOSS_SPREAD times the lower median of the losses of
-    those within it."""
+def batch_columns(batches: Sequence[Mapping[str, Tensor]]) -> list[tuple[slice, Mapping[str, Tensor]]]:
+    """Each batch of messages' tensors ([S_b, ...] each) with its columns among all of them, in order."""
+    out, at = [], 0
+    for batch in batches:
+        size = next(iter(batch.values())).shape[0]
+        out.append((slice(at, at + size), batch))
+        at += size
+    return out
+
+
+def worse_on_data(own: Tensor, models: Sequence[Mapping[str, Tensor]], screen: Screen) -> Tensor:
+    """[M, S] bool: the arrivals `own` [M, S] of each row's own cluster (message s's model in the batches `models`,
+    whose messages are the columns in order) whose loss on the row's samples is above the row's limit, or above
+    MERGE_LOSS_SPREAD times the lower median of the losses of those within it."""
     assert screen.loss is not None and screen.loss_limit is not None
     losses = torch.full(own.shape, math.inf, dtype=torch.float64, device=own.device)
-    r, c = own.nonzero(as_tuple=True)
-    if r.numel():
-        losses[r, c] = data_checks(r, c, models, None, screen.loss).double()
+    for columns, batch in batch_columns(models):
+        r, c = own[:, columns].nonzero(as_tuple=True)
+        if r.numel():
+            losses[r, c + columns.start] = data_checks(r, c, batch, None, screen.loss).double()
     worse = own & (losses > screen.loss_limit.double().unsqueeze(1))
     peers = own & ~worse
     some = peers.any(1)

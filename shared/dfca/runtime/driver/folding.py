@@ -5,7 +5,10 @@ the runtime benchmark's config in lockstep, batches 0.06), so what is ready is f
 distinct messages are ready, or once none is due any more. That also bounds what a worker holds decoded at once,
 whatever its clients' degrees (DFCA's running average, eq. 8: O(k |theta|) per worker). One inbox holds the
 messages of one round (a stale one is folded with its own round) and at most FOLD_BATCH distinct messages, each a
-column delivered to every hosted row it reached; ragged payloads are folded one message at a time.
+column delivered to every hosted row it reached; ragged payloads are folded one message at a time. An algorithm that
+only keeps an exchange's arrivals until the exchange ends (`Algorithm.holds_arrivals`: a screened gossip step, which
+holds them decoded whatever the batching) gets them in one inbox once nothing more is due (WHOLE), so it does not
+copy the pieces into one.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dfca.wire.codec import shape_of, stacked
 # Distinct messages taken from the driver's queue and folded together (one inbox, one decode per message however many
 # hosted clients it reaches): bounds what a worker holds decoded at once, whatever its clients' degrees.
 FOLD_BATCH = 16
+WHOLE = 1 << 62  # a batch never full: the exchange's arrivals folded together once none is due
 
 
 class Ready:
@@ -99,9 +103,11 @@ class Folder:
         self.stats, self.settle = stats, settle
         self.counted_refusals: Counter[str] = Counter()  # the algorithm's refusals already in stats.rejected
 
-    def fold(self, deliveries: list[Delivery], algorithm: Algorithm, exchange: Exchange, rows: int) -> None:
-        """Fold `deliveries` into `exchange` of the algorithm hosting `rows` rows."""
-        for chunk in fold_chunks(deliveries):
+    def fold(self, deliveries: list[Delivery], algorithm: Algorithm, exchange: Exchange, rows: int,
+             batch: int = FOLD_BATCH) -> None:
+        """Fold `deliveries` into `exchange` of the algorithm hosting `rows` rows, `batch` distinct messages at a
+        time."""
+        for chunk in fold_chunks(deliveries, batch):
             for folded, inbox in inboxes(chunk, rows, algorithm.ctx.device):
                 used = algorithm.receive(exchange, inbox)
                 if algorithm.refused != self.counted_refusals:  # it refused some (a lying seed candidate)

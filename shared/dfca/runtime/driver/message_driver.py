@@ -24,7 +24,7 @@ from dfca.runtime.driver.checkpoints import Checkpoint, driver_checkpoint, read_
 from dfca.runtime.driver.decoding import decode_placed
 from dfca.runtime.driver.delivery import Delivery, Placed, Unsettled
 from dfca.runtime.driver.driver_stats import DriverStats, RejectionLog
-from dfca.runtime.driver.folding import Folder, Ready
+from dfca.runtime.driver.folding import FOLD_BATCH, WHOLE, Folder, Ready
 from dfca.runtime.driver.hearing import Hearing
 from dfca.runtime.driver.host_transport import RunInterrupted
 from dfca.runtime.driver.ledger import Ledger, Placement
@@ -131,6 +131,7 @@ class MessageDriver:
         ex = self.exchanges[index]
         held = self.ledger.open(index, ex, self.hearing.due(ex, self.dead))
         self.batch = []
+        self.ready.batch = WHOLE if self.algorithm.holds_arrivals(ex) else FOLD_BATCH
         if ex.sender == self.side:
             with self.stats.timed("publish"):
                 self.publish(ex)  # before anything arrived is folded in: what the row sends is its own
@@ -215,10 +216,10 @@ class MessageDriver:
 
     # -- messages -------------------------------------------------------------------------------------------
     def _arrived(self, first: Message | None = None) -> list[Message]:
-        """What waits in the driver's queue, without blocking, up to one fold's worth of messages (`first`, one taken
-        already, among them): messages decoded together cost about half as much each as one at a time."""
+        """What waits in the driver's queue, without blocking, up to FOLD_BATCH messages (`first`, one taken already,
+        among them): messages decoded together cost about half as much each as one at a time."""
         arrived = [] if first is None else [first]
-        while len(arrived) < self.ready.batch and (message := self.transport.receive(self.queue, 0.0)) is not None:
+        while len(arrived) < FOLD_BATCH and (message := self.transport.receive(self.queue, 0.0)) is not None:
             arrived.append(message)
         return arrived
 
@@ -341,7 +342,7 @@ class MessageDriver:
     def _fold(self, deliveries: list[Delivery] | None = None) -> None:
         """Fold `deliveries`, by default what is ready (runtime.driver.folding)."""
         deliveries = self.ready.take() if deliveries is None else deliveries
-        self.folder.fold(deliveries, self.algorithm, self.exchanges[self.index], len(self.ids))
+        self.folder.fold(deliveries, self.algorithm, self.exchanges[self.index], len(self.ids), self.ready.batch)
 
     # -- reports and checkpoints ----------------------------------------------------------------------------
     def report(self) -> dict[str, list[Any]]:
