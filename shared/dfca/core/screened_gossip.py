@@ -355,9 +355,8 @@ def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen
     part[s]), theta_i row i's models as training left them: its anchor, its own cluster moved by its step; and, with
     a step, models[s] . step_i. As |x - a|^2, less 2 (x - a).step - |step|^2 where part[s] is the row's own cluster:
     no model is copied, and one product per tensor with the anchors' [M k, F] view (and one with the steps) reads the
-    messages. read [M, S]: the pairs
-    that are read (the others are left inexact); where they are few (`taken_alone`), the products are taken at them
-    alone, each message with its cluster's anchor."""
+    messages. read [M, S]: the pairs that are read (the others are left inexact); where they are few (`taken_alone`),
+    the products are taken at them alone, each message with its cluster's anchor."""
     m, s = screen.clusters.shape[0], part.shape[0]
     k = next(iter(screen.anchor.values())).shape[1]
     own = part.unsqueeze(0) == screen.clusters.unsqueeze(1)  # [M, S]
