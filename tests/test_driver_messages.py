@@ -443,11 +443,9 @@ class OneAtATime(InMemoryTransport):
         return message
 
 
-def star_folds(degree: int, trickle: bool) -> tuple[int, dict[str, torch.Tensor]]:
-    """A paper-rule round at the centre of a star of `degree` neighbours on another worker, its messages all there
-    at once or trickling in one by one: the algorithm's folds at the centre, and the centre's state."""
-    cfg = small_config(aggregation="sequential", rounds=1, dfca={"variant": "paper"}, train={"local_epochs": 0},
-                       data={"clients": degree + 1, "train_per_client": 5, "test_per_client": 2})
+def star_drivers(cfg: ExperimentConfig, degree: int, trickle: bool) -> tuple[MessageDriver, MessageDriver]:
+    """(centre, rest): client 0 on one worker, the centre of a star of `degree` neighbours hosted on another, its
+    messages all there at once or trickling in one by one."""
     ctx = prepare(cfg)
     graph = {0: list(range(1, degree + 1)), **{c: [0] for c in range(1, degree + 1)}}
     broker = InMemoryBroker()
@@ -457,6 +455,15 @@ def star_folds(degree: int, trickle: bool) -> tuple[int, dict[str, torch.Tensor]
     others = list(range(1, degree + 1))
     rest = client_driver(cfg, "star", others, ctx.data.subset(others), graph, InMemoryTransport(broker),
                          queue=topics.worker_queue("star", "worker-1"))
+    return centre, rest
+
+
+def star_folds(degree: int, trickle: bool) -> tuple[int, dict[str, torch.Tensor]]:
+    """A paper-rule round at the centre of a star of `degree` neighbours on another worker, its messages all there
+    at once or trickling in one by one: the algorithm's folds at the centre, and the centre's state."""
+    cfg = small_config(aggregation="sequential", rounds=1, dfca={"variant": "paper"}, train={"local_epochs": 0},
+                       data={"clients": degree + 1, "train_per_client": 5, "test_per_client": 2})
+    centre, rest = star_drivers(cfg, degree, trickle)
     folds = 0
     receive = centre.algorithm.receive
 
@@ -494,15 +501,7 @@ def star_gossip_receives(degree: int, trickle: bool, monkeypatch: pytest.MonkeyP
     assert cfg.dfca.screen
     if not held:
         monkeypatch.setattr(DFCA, "holds_arrivals", lambda self, ex: False)
-    ctx = prepare(cfg)
-    graph = {0: list(range(1, degree + 1)), **{c: [0] for c in range(1, degree + 1)}}
-    broker = InMemoryBroker()
-    transport = OneAtATime(broker) if trickle else InMemoryTransport(broker)
-    centre = client_driver(cfg, "star", [0], ctx.data.subset([0]), graph, transport,
-                           queue=topics.worker_queue("star", "worker-0"))
-    others = list(range(1, degree + 1))
-    rest = client_driver(cfg, "star", others, ctx.data.subset(others), graph, InMemoryTransport(broker),
-                         queue=topics.worker_queue("star", "worker-1"))
+    centre, rest = star_drivers(cfg, degree, trickle)
     inboxes: Counter[int] = Counter()
     receive = centre.algorithm.receive
 
