@@ -60,7 +60,7 @@ def one_pair(cfg: dict[str, Any], broker: str, first_on: bool) -> dict[str, dict
 
 def ratios(pair: dict[str, dict[str, float]]) -> dict[str, float]:
     on, off = pair["on"], pair["off"]
-    return {key: on[f"{key}"] / off[f"{key}"] for key in ("runtime_s", "runtime_cpu", "simulator_s")}
+    return {key: on[key] / off[key] for key in ("runtime_s", "runtime_cpu", "simulator_s")}
 
 
 def main() -> None:
