@@ -152,6 +152,48 @@ def test_a_merge_end_drops_the_far_and_the_worse_on_data_whatever_the_batching(b
     assert weight[:, 0].tolist() == [4.0, 4.0]
 
 
+
+@pytest.mark.parametrize("batches", [[[0, 1, 2, 3, 4, 5]], [[0, 1], [2, 3, 4], [5]]])
+def test_a_merge_end_takes_back_what_it_drops_as_if_only_the_kept_had_arrived(batches: list[list[int]]) -> None:
+    """The arrivals a merge's end drops are taken back out of the running averages: the copies end as if only the
+    kept ones had been folded from where the merge opened, with their weights; a copy whose own weight was 0 (an
+    untrained cluster under the `fresh` rule) and that lost everything goes back to its anchor."""
+    torch.manual_seed(3)
+    m, k, s = 3, 2, 6
+    anchor = {"w": torch.randn(m, k, 4, 2), "b": torch.randn(m, k, 3)}
+    own = torch.tensor([0, 1, 0])
+    trained = {n: v[torch.arange(m), own] + 0.1 * torch.randn_like(v[:, 0]) for n, v in anchor.items()}
+    opening = torch.nn.functional.one_hot(own, k).float() * torch.tensor([[80.0], [60.0], [90.0]])  # fresh, n_i
+    models = {n: torch.randn(s, *v.shape[2:]) for n, v in anchor.items()}
+    part = torch.tensor([0, 1, 0, 1, 1, 0])
+    samples = torch.tensor([70.0, 50.0, 80.0, 65.0, 75.0, 40.0])
+    delivered = torch.tensor([[1, 1, 1, 0, 1, 1], [1, 0, 1, 1, 1, 0], [0, 1, 1, 1, 0, 1]]).float() * samples
+    lost = torch.tensor([[0, 1, 0, 0, 1, 1], [0, 0, 0, 1, 0, 0], [0, 0, 1, 0, 0, 0]]).bool()  # row 0's cluster 1: all
+
+    def opened() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        params = {n: v.clone() for n, v in anchor.items()}
+        for n, v in params.items():
+            v[torch.arange(m), own] = trained[n]
+        return params, opening.clone()
+
+    params, weight = opened()
+    folds = MergeFolds(anchor, trained, opening.clone())
+    batched = []
+    for cols in batches:
+        index = torch.tensor(cols)
+        batch = {n: v.index_select(0, index) for n, v in models.items()}
+        fold_models(params, weight, delivered.index_select(1, index), part.index_select(0, index), batch)
+        batched.append(batch)
+    folds.unfold(params, weight, delivered * lost, torch.cat([part[c] for c in batches]),
+                 batched, own)
+    expected, expected_weight = opened()
+    fold_models(expected, expected_weight, delivered * ~lost, part, models)
+    for n in params:
+        assert torch.allclose(params[n], expected[n], atol=1e-5), n
+    assert torch.allclose(weight, expected_weight)
+    assert weight[0, 1] == 0 and torch.equal(params["w"][0, 1], anchor["w"][0, 1])  # every arrival lost: the anchor
+
+
 def test_the_trimmed_mean_cuts_the_ends_of_each_coordinate() -> None:
     anchor = {"w": torch.zeros(1, 1, 1)}
     values = torch.tensor([0.0, 1.0, 2.0, 3.0, 100.0]).reshape(5, 1, 1)  # the own copy is 5.0

@@ -34,7 +34,7 @@ rounds since the last consensus, and, for its own cluster, not BEHIND x drift ow
 all wait for the merge's end (`MergeFolds`): each (row, cluster)'s scale is the lower median of its arrivals' distances
 (r_i with fewer than two), as in a gossip step, and an arrival beyond `radius` x that scale is dropped; each arrival of
 the row's own cluster is tested alone on its data, and dropped above the row's limit or above MERGE_LOSS_SPREAD x the
-median loss of its peers; a row that lost one is folded again from where the merge opened.
+median loss of its peers; what a row lost is taken back out of its running average.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dfca.core.aggregation import fold_models
 from dfca.core.ratio import MIN_WEIGHT, trailing
 from dfca.core.sparse_factor import GPU_SPARSE_DENSITY, product_factor
 
@@ -436,9 +435,9 @@ class MergeFolds:
 
     At the end each (row, cluster) has a scale, as in a gossip step: the lower median of its arrivals' distances,
     never below r_i (r_i itself with fewer than two); an arrival farther than radius x that scale is dropped. Each
-    arrival of the row's own cluster is then tested alone on its data. A row that lost an arrival is folded again
-    from where the merge opened with the ones kept. What the merge ends at does not depend on how its arrivals were
-    batched."""
+    arrival of the row's own cluster is then tested alone on its data. The arrivals a row lost are taken back out of
+    its running average (`unfold`), as if only the kept ones had arrived. What the merge ends at does not depend on
+    how its arrivals were batched."""
 
     anchor: Mapping[str, Tensor]  # [M, k, ...]: the rows' models before this round's training
     trained: dict[str, Tensor]  # [M, ...]: each row's model of its own cluster as training left it
@@ -451,7 +450,7 @@ class MergeFolds:
             self.folded.append((arrivals, part, models, distance))
 
     def settle(self, params: dict[str, Tensor], weight: Tensor, screen: Screen) -> int:
-        """Drops what the merge's end tests fail and refolds the rows that lost some (params and weight in place).
+        """Drops what the merge's end tests fail, taking them back out of the copies (params and weight in place).
         Returns how many arrivals were dropped. The batches' arrivals are judged together (one scale per row and
         cluster); their models are read where they arrived, batch by batch, never copied into one tensor."""
         if not self.folded:
@@ -468,25 +467,57 @@ class MergeFolds:
         if screen.tested:
             keep &= ~worse_on_data(keep & (part.unsqueeze(0) == screen.clusters.unsqueeze(1)), models, screen)
         lost = arrived & ~keep
-        self.refold(params, weight, arrivals * keep.to(arrivals.dtype), part, models, lost.any(1), screen.clusters)
+        self.unfold(params, weight, arrivals * lost.to(arrivals.dtype), part, models, screen.clusters)
         return int(lost.sum())
 
-    def refold(self, params: dict[str, Tensor], weight: Tensor, kept: Tensor, part: Tensor,
-               models: Sequence[Mapping[str, Tensor]], redo: Tensor, own: Tensor) -> None:
-        """The rows `redo` [M] folded again from where the merge opened (own [M]: each row's own cluster, the one it
-        trained) with the arrivals `kept` [M, S] (their weights; part [S] their clusters; models: the batches'
-        models, whose messages are the columns of `kept` in order), a batch at a time (eq. 8's running average:
-        the same average however the arrivals are batched)."""
-        if not bool(redo.any()):
+    def unfold(self, params: dict[str, Tensor], weight: Tensor, lost: Tensor, part: Tensor,
+               models: Sequence[Mapping[str, Tensor]], own: Tensor) -> None:
+        """Takes the arrivals `lost` [M, S] (their weights, 0 for the others; part [S] their clusters; models: the
+        batches' models, whose messages are the columns of `lost` in order) back out of the running averages, in
+        place: eq. 8's average c theta = w theta_0 + sum_s a_s x_s less the lost ones, theta <- (c theta - sum_lost
+        a_s x_s) / (c - sum_lost a_s), with c the weight each copy carries (`weight`, updated too). Only the lost
+        messages' models are read. A copy left with no weight (its own copy counted 0 and every arrival was lost)
+        goes back to where the merge opened: its anchor, or for the row's own cluster (own [M]) its trained model.
+        The same average as folding the kept ones alone, to float rounding, however the arrivals were batched."""
+        r, s = lost.nonzero(as_tuple=True)  # the lost (row, message) pairs
+        if not r.numel():
             return
-        rows = redo.nonzero().squeeze(1)
-        for n, v in params.items():  # the rows that lost an arrival, as the merge opened
-            v[rows] = self.anchor[n].index_select(0, rows).to(v.dtype)
-            v[rows, own[rows]] = self.trained[n].index_select(0, rows).to(v.dtype)
-        weight[rows] = self.weight[rows].to(weight.dtype)
-        kept = kept * redo.unsqueeze(1).to(kept.dtype)
-        for columns, batch in batch_columns(models):
-            fold_models(params, weight, kept[:, columns], part[columns], batch)
+        k = weight.shape[1]
+        copy = r * k + part[s]  # each pair's copy, a row of the [M k, ...] view
+        copies, which = copy.unique(return_inverse=True)  # [C]: the copies that lose something
+        rows, clusters = copies // k, copies % k
+        messages, column = s.unique(return_inverse=True)  # [L]: the lost messages
+        taken = torch.zeros(copies.shape[0], messages.shape[0], dtype=weight.dtype, device=weight.device)
+        taken[which, column] = lost[r, s].to(weight.dtype)  # [C, L]: a_s of each lost message at each copy
+        c = weight.reshape(-1).index_select(0, copies)  # [C]: the weight each copy carries
+        left = (c - taken.sum(1)).clamp_min(0.0)
+        emptied = left <= 1e-6 * c.clamp_min(1.0)  # nothing kept where the own copy counted 0
+        own_copy = clusters == own.index_select(0, rows)
+        any_emptied = bool(emptied.any())
+        for n, v in params.items():
+            flat = v.view(-1, *v.shape[2:])  # [M k, ...]: the copies, in place
+            x = picked_models(models, n, messages).reshape(messages.shape[0], -1).to(v.dtype)  # [L, F]
+            total = flat.index_select(0, copies).reshape(copies.shape[0], -1) * c.to(v.dtype).unsqueeze(1)
+            total.sub_(taken.to(v.dtype) @ x)  # c theta less the lost arrivals
+            kept = total / left.clamp_min(1e-12).to(v.dtype).unsqueeze(1)
+            if any_emptied:
+                trained = self.trained[n].index_select(0, rows).reshape(rows.shape[0], -1)
+                anchor = flat_rows(self.anchor[n]).index_select(0, copies)
+                opened = torch.where(own_copy.unsqueeze(1), trained, anchor).to(v.dtype)  # where the merge opened
+                kept = torch.where(emptied.unsqueeze(1), opened, kept)
+            flat.index_copy_(0, copies, kept.view(-1, *v.shape[2:]))
+        weight.view(-1).index_copy_(0, copies, left.to(weight.dtype))
+
+
+def picked_models(batches: Sequence[Mapping[str, Tensor]], name: str, columns: Tensor) -> Tensor:
+    """[L, ...]: tensor `name` of the messages at the sorted `columns` [L] among the batches' (in order), a copy of
+    those alone."""
+    out = []
+    for span, batch in batch_columns(batches):
+        index = columns[(columns >= span.start) & (columns < span.stop)]
+        if index.numel():
+            out.append(batch[name].index_select(0, index - span.start))
+    return torch.cat(out)
 
 
 def batch_columns(batches: Sequence[Mapping[str, Tensor]]) -> list[tuple[slice, Mapping[str, Tensor]]]:

@@ -79,9 +79,10 @@ def fold_chunks(deliveries: list[Delivery], batch: int = FOLD_BATCH) -> Iterator
 
 
 def inboxes(chunk: list[Delivery], rows: int, device: torch.device) -> Iterator[tuple[list[Delivery], Inbox]]:
-    """One inbox of a chunk, delivered[row, column] for each of its deliveries, a column per distinct message (in
-    arrival order), with the deliveries it holds; a chunk of ragged payloads gives one inbox per message."""
-    envelopes = list({id(d.envelope): d.envelope for d in chunk}.values())
+    """One inbox of a chunk, delivered[row, column] for each of its deliveries, a column per distinct message (grouped
+    by the cluster or slot it carries, `part`, in arrival order within one: a cluster's models are then a view of the
+    inbox's tensors), with the deliveries it holds; a chunk of ragged payloads gives one inbox per message."""
+    envelopes = sorted({id(d.envelope): d.envelope for d in chunk}.values(), key=lambda e: e.part)
     shapes = {n: {shape_of(e.tensors, n) for e in envelopes} for n in envelopes[0].tensors}
     if len(envelopes) > 1 and any(len(s) > 1 for s in shapes.values()):
         for e in envelopes:
