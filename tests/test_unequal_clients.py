@@ -90,6 +90,25 @@ def test_the_screens_losses_taken_with_eq1s_are_its_data_tests_on_the_same_sampl
     assert not torch.allclose(algorithm.screen_losses, algorithm.losses)  # the first samples, not all of them
 
 
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_a_merges_data_test_of_one_model_on_several_rows_is_each_rows_own(
+        wide: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A merge's end tests each arriving model on the samples of every row that received it in one forward pass
+    (`model_sample_loss`): each row's loss is the one `sample_loss` takes row by row, padding or no, bucketed or
+    not."""
+    monkeypatch.setattr(dfca_algorithm, "SCREEN_SAMPLES", 7)  # some clients hold fewer (5), some many more
+    cfg = small("dfca", dfca={"variant": "robust", "screen": True})
+    algorithm = simulate(cfg, data=ragged_data(cfg, wide=wide)).algorithm
+    assert isinstance(algorithm, dfca_algorithm.DFCA)
+    rows = torch.arange(cfg.data.clients).flip(0)[::2]  # some rows, out of order
+    for sender in (0, 3):
+        model = {n: v[sender, 1] for n, v in algorithm.params.items()}
+        copies = {n: v.unsqueeze(0).expand(rows.shape[0], *v.shape) for n, v in model.items()}  # one per row
+        each = algorithm.sample_loss(rows, copies)
+        torch.testing.assert_close(algorithm.model_sample_loss(rows, model), each, rtol=1e-5, atol=1e-6)
+
+
 def test_fedcref_ignores_padding() -> None:
     cfg = ExperimentConfig.model_validate({
         "name": "ragged", "algorithm": "fedcref", "rounds": 2, "seed": 3,

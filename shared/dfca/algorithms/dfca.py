@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import networkx as nx
 import torch
+import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor
 
@@ -378,12 +379,22 @@ class DFCA(Algorithm):
                               torch.full_like(before, math.log(self.data().num_classes)))
         return Screen(anchor, reach.to(self.ctx.device), self.assigned, 1 + (self.k - 1) * d.untrained_weight,
                       d.screen_trim, step, d.screen_radius, float(self.schedule.rounds_since_agreement(t)),
-                      loss=self.sample_loss, loss_limit=limit, cached=terms)
+                      loss=self.sample_loss, loss_limit=limit, cached=terms, model_loss=self.model_sample_loss)
 
     def sample_loss(self, rows: Tensor, models: Params) -> Tensor:
         """[R]: the loss of models [R, ...] on the first SCREEN_SAMPLES training samples of each row."""
         x, y, mask = first_samples(self.data(), rows, SCREEN_SAMPLES)
         return loss_matrix(self.ctx.model, {n: v.unsqueeze(1) for n, v in models.items()}, x, y, mask)[:, 0]
+
+    def model_sample_loss(self, rows: Tensor, model: Params) -> Tensor:
+        """[R]: the loss of one model (its tensors unbatched) on the first SCREEN_SAMPLES training samples of each
+        row, every row's samples in one forward pass (`sample_loss`'s loss, the model read once)."""
+        x, y, mask = first_samples(self.data(), rows, SCREEN_SAMPLES)
+        r, n = y.shape
+        logits = self.ctx.model.logits({name: v.unsqueeze(0) for name, v in model.items()},
+                                       x.reshape(1, r * n, *x.shape[2:]))
+        ce = F.cross_entropy(logits[0], y.reshape(-1), reduction="none").view(r, n)
+        return ce.mean(1) if mask is None else masked_mean(ce, mask)
 
     def local_models(self, t: int) -> Params:
         """phi_i, the seeding's local model: client i's copy of cluster 0 after `seed_epochs` epochs on D_i."""
