@@ -67,6 +67,13 @@ SAMPLED_DENSITY = 0.3
 # of pairs, one thread: 10 values 0.003 against 0.5 ms, 200 values 0.011 against 0.035 ms; 2,000 values 0.6 against
 # 0.16 ms)
 SAMPLED_WIDTH = 512
+# A step's mix takes a CSR first factor only where, besides, its rows hold at most this many entries on average, on
+# CPU: a CSR entry reads a whole source row, so wide rows of many neighbours go out of cache, while the dense product
+# gets faster per entry as the rows grow. One thread, h=200's first layer (156,800 values a row) through the
+# clusters' views, CSR's time over the dense product's: 30 rows at density 0.13 / 0.3 (4 / 9 a row) 0.48 / 0.92;
+# 60 rows at 0.15 / 0.3 (9 / 18) 0.75 / 2.45; 100 rows at 0.15 (15) 1.04; 240 rows at 0.05 / 0.1 / 0.2 (12 / 24 /
+# 48) 0.36 / 1.87 / 2.88.
+MIX_ROW_ENTRIES = 12
 
 # (receiver rows [P], their estimates of their own cluster [P, ...]) -> [P] bool: keep the estimate
 EstimateTest = Callable[[Tensor, dict[str, Tensor]], Tensor]
@@ -565,9 +572,9 @@ def mixed(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arrived_num
     weight = keep.to(den.dtype) if cap is None else keep.to(den.dtype) * cap.to(den.dtype)  # [M, S, k]
     divisor = delivered.sum(1).to(den.dtype) + 1
     new_den = (den + (weight * clean.to(den.dtype).unsqueeze(0)).sum(1)) / trailing(divisor, den)
-    # [k, M, S]: what each arrived num counts for, over the divisor; CSR where few are non-zero (SAMPLED_DENSITY)
+    # [k, M, S]: what each arrived num counts for, over the divisor; CSR where few are non-zero (`mix_factor`)
     mix = (weight * scale.to(den.dtype).unsqueeze(0)).permute(2, 0, 1) / divisor.view(1, -1, 1)
-    factors = [product_factor(mix[j], SAMPLED_DENSITY) for j in range(mix.shape[0])]
+    factors = [mix_factor(mix[j]) for j in range(mix.shape[0])]
     out: dict[str, Tensor] = {}
     for n, v in num.items():  # (own + mix @ arrived) / divisor, summed in place through the clusters' views [M, F]
         total = v / trailing(divisor.to(v.dtype), v)
@@ -576,6 +583,14 @@ def mixed(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arrived_num
             own[j].addmm_(factor.to(v.dtype), arrived[j])
         out[n] = total
     return out, new_den
+
+
+def mix_factor(a: Tensor) -> Tensor:
+    """a [M, S] as the first factor of a step's mix: CSR where at most SAMPLED_DENSITY of it is non-zero and, on CPU,
+    its rows hold at most MIX_ROW_ENTRIES entries on average (`product_factor`), else dense."""
+    if a.device.type == "cpu" and int(a.count_nonzero()) > MIX_ROW_ENTRIES * a.shape[0]:
+        return a
+    return product_factor(a, SAMPLED_DENSITY)
 
 
 def pairwise_distances(num: Mapping[str, Tensor], den: Tensor, j: int, among: Tensor) -> Tensor:
