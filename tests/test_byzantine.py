@@ -152,7 +152,6 @@ def test_a_merge_end_drops_the_far_and_the_worse_on_data_whatever_the_batching(b
     assert weight[:, 0].tolist() == [4.0, 4.0]
 
 
-
 @pytest.mark.parametrize("batches", [[[0, 1, 2, 3, 4, 5]], [[0, 1], [2, 3, 4], [5]]])
 def test_a_merge_end_takes_back_what_it_drops_as_if_only_the_kept_had_arrived(batches: list[list[int]]) -> None:
     """The arrivals a merge's end drops are taken back out of the running averages: the copies end as if only the
@@ -184,8 +183,7 @@ def test_a_merge_end_takes_back_what_it_drops_as_if_only_the_kept_had_arrived(ba
         batch = {n: v.index_select(0, index) for n, v in models.items()}
         fold_models(params, weight, delivered.index_select(1, index), part.index_select(0, index), batch)
         batched.append(batch)
-    folds.unfold(params, weight, delivered * lost, torch.cat([part[c] for c in batches]),
-                 batched, own)
+    folds.unfold(params, weight, delivered * lost, torch.cat([part[c] for c in batches]), batched, own)
     expected, expected_weight = opened()
     fold_models(expected, expected_weight, delivered * ~lost, part, models)
     for n in params:

@@ -52,6 +52,17 @@ def one_hop(params: dict[str, torch.Tensor], adjacency: torch.Tensor, assigned: 
     fold_models(params, self_weights(assigned, params["w"].shape[1], merge), adjacency, assigned, sent)
 
 
+def test_a_product_factor_is_dense_on_cpu_where_its_rows_hold_more_entries_than_asked() -> None:
+    """CSR where the factor is sparse enough; with `cpu_row_entries`, dense on CPU once its rows hold more entries
+    than that on average, however sparse (a CSR entry reads a whole row of the second factor)."""
+    a = torch.zeros(100, 100)
+    a[:, :10] = 1.0  # 10 entries a row, 10% of the pairs
+    assert sparse_factor.product_factor(a, 0.3).layout == torch.sparse_csr
+    assert sparse_factor.product_factor(a, 0.3, cpu_row_entries=12).layout == torch.sparse_csr
+    assert sparse_factor.product_factor(a, 0.3, cpu_row_entries=8).layout == torch.strided
+    assert sparse_factor.product_factor(a.to_sparse_csr(), 0.3, cpu_row_entries=8).layout == torch.strided
+
+
 @pytest.mark.parametrize("self_weight", [1.0, 0.0])
 def test_running_average_any_order_equals_batch_average(self_weight: float) -> None:
     """Eq. 8, one arrival at a time in any order, is eq. 7: (w_ii theta + sum of arrivals) / (w_ii + arrivals)."""

@@ -572,9 +572,10 @@ def mixed(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arrived_num
     weight = keep.to(den.dtype) if cap is None else keep.to(den.dtype) * cap.to(den.dtype)  # [M, S, k]
     divisor = delivered.sum(1).to(den.dtype) + 1
     new_den = (den + (weight * clean.to(den.dtype).unsqueeze(0)).sum(1)) / trailing(divisor, den)
-    # [k, M, S]: what each arrived num counts for, over the divisor; CSR where few are non-zero (`mix_factor`)
+    # [k, M, S]: what each arrived num counts for, over the divisor; CSR where few are non-zero and rows hold few
+    # (SAMPLED_DENSITY, MIX_ROW_ENTRIES)
     mix = (weight * scale.to(den.dtype).unsqueeze(0)).permute(2, 0, 1) / divisor.view(1, -1, 1)
-    factors = [mix_factor(mix[j]) for j in range(mix.shape[0])]
+    factors = [product_factor(mix[j], SAMPLED_DENSITY, MIX_ROW_ENTRIES) for j in range(mix.shape[0])]
     out: dict[str, Tensor] = {}
     for n, v in num.items():  # (own + mix @ arrived) / divisor, summed in place through the clusters' views [M, F]
         total = v / trailing(divisor.to(v.dtype), v)
@@ -583,14 +584,6 @@ def mixed(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arrived_num
             own[j].addmm_(factor.to(v.dtype), arrived[j])
         out[n] = total
     return out, new_den
-
-
-def mix_factor(a: Tensor) -> Tensor:
-    """a [M, S] as the first factor of a step's mix: CSR where at most SAMPLED_DENSITY of it is non-zero and, on CPU,
-    its rows hold at most MIX_ROW_ENTRIES entries on average (`product_factor`), else dense."""
-    if a.device.type == "cpu" and int(a.count_nonzero()) > MIX_ROW_ENTRIES * a.shape[0]:
-        return a
-    return product_factor(a, SAMPLED_DENSITY)
 
 
 def pairwise_distances(num: Mapping[str, Tensor], den: Tensor, j: int, among: Tensor) -> Tensor:

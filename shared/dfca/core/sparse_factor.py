@@ -30,14 +30,18 @@ GPU_SPARSE_DENSITY = 0.02
 SPARSE_ENTRY_COST = 9
 
 
-def product_factor(a: Tensor, cpu_density: float | None = None) -> Tensor:
+def product_factor(a: Tensor, cpu_density: float | None = None, cpu_row_entries: float | None = None) -> Tensor:
     """a [R, C] float (dense or CSR) as the first factor of addmm_: CSR where at most `cpu_density` (default
-    SPARSE_DENSITY) of it is non-zero (GPU_SPARSE_DENSITY on a GPU), else dense."""
+    SPARSE_DENSITY) of it is non-zero (GPU_SPARSE_DENSITY on a GPU) and, on CPU with `cpu_row_entries`, its rows hold
+    at most that many entries on average, else dense."""
     if a.dim() != 2 or a.shape[0] < 2:
         return a
     sparse = a.layout == torch.sparse_csr
-    density = (SPARSE_DENSITY if cpu_density is None else cpu_density) if a.device.type == "cpu" else GPU_SPARSE_DENSITY
-    if (a._nnz() if sparse else int(a.count_nonzero())) > density * a.numel():
+    cpu = a.device.type == "cpu"
+    density = (SPARSE_DENSITY if cpu_density is None else cpu_density) if cpu else GPU_SPARSE_DENSITY
+    entries = a._nnz() if sparse else int(a.count_nonzero())
+    wide = cpu and cpu_row_entries is not None and entries > cpu_row_entries * a.shape[0]  # many entries a row
+    if entries > density * a.numel() or wide:
         return a.to_dense() if sparse else a
     if sparse:
         return a
