@@ -52,15 +52,36 @@ def one_hop(params: dict[str, torch.Tensor], adjacency: torch.Tensor, assigned: 
     fold_models(params, self_weights(assigned, params["w"].shape[1], merge), adjacency, assigned, sent)
 
 
-def test_a_product_factor_is_dense_on_cpu_where_its_rows_hold_more_entries_than_asked() -> None:
-    """CSR where the factor is sparse enough; with `cpu_row_entries`, dense on CPU once its rows hold more entries
-    than that on average, however sparse (a CSR entry reads a whole row of the second factor)."""
+def test_a_product_factor_with_many_entries_a_row_is_sparse_on_cpu_only_where_it_is_sparser() -> None:
+    """CSR where the factor is sparse enough; with `cpu_row_entries`, once its rows hold more entries than that on
+    average, CSR on CPU only up to WIDE_ROW_DENSITY (its product is then taken in column blocks: `add_product`)."""
     a = torch.zeros(100, 100)
     a[:, :10] = 1.0  # 10 entries a row, 10% of the pairs
     assert sparse_factor.product_factor(a, 0.3).layout == torch.sparse_csr
     assert sparse_factor.product_factor(a, 0.3, cpu_row_entries=12).layout == torch.sparse_csr
-    assert sparse_factor.product_factor(a, 0.3, cpu_row_entries=8).layout == torch.strided
-    assert sparse_factor.product_factor(a.to_sparse_csr(), 0.3, cpu_row_entries=8).layout == torch.strided
+    assert sparse_factor.product_factor(a, 0.3, cpu_row_entries=8).layout == torch.sparse_csr  # 0.1 <= 0.2
+    a[:, :25] = 1.0  # 25 entries a row, 25% of the pairs
+    assert sparse_factor.product_factor(a, 0.3).layout == torch.sparse_csr
+    assert sparse_factor.product_factor(a, 0.3, cpu_row_entries=30).layout == torch.sparse_csr
+    assert sparse_factor.product_factor(a, 0.3, cpu_row_entries=12).layout == torch.strided  # 0.25 > 0.2
+    assert sparse_factor.product_factor(a.to_sparse_csr(), 0.3, cpu_row_entries=12).layout == torch.strided
+
+
+@pytest.mark.parametrize("entries", [3, 20])
+def test_a_product_added_in_column_blocks_is_the_whole_product(entries: int, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """add_product: out += factor @ x, whole or (a CSR factor whose rows hold more entries than asked) a block of
+    columns at a time through views of out and x: the same sums, into a strided out (a cluster's view)."""
+    monkeypatch.setattr(sparse_factor, "COLUMN_BLOCK", 7)  # blocks that do not divide the 30 columns
+    g = torch.Generator().manual_seed(0)
+    rows, cols = 12, 40
+    mask = torch.rand(rows, cols, generator=g).argsort(1) < entries  # `entries` a row
+    a = torch.randn(rows, cols, generator=g) * mask
+    x = torch.randn(cols, 2, 30, generator=g)[:, 1]  # [40, 30], rows 60 values apart
+    out = torch.randn(rows, 3, 30, generator=g)
+    expected = out[:, 2] + a @ x
+    sparse_factor.add_product(out[:, 2], a.to_sparse_csr(), x, cpu_row_entries=10)
+    torch.testing.assert_close(out[:, 2], expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("self_weight", [1.0, 0.0])

@@ -106,3 +106,30 @@ def test_a_merges_distances_at_the_pairs_read_are_those_of_every_pair(device: st
         trained[n][torch.arange(M, device=device), screen.clusters] += screen.step[n]
     direct = sum((models[n].unsqueeze(0) - trained[n][:, part]).pow(2).reshape(M, S, -1).sum(2) for n in SHAPES).sqrt()
     torch.testing.assert_close(sampled[delivered].float(), direct[delivered], rtol=1e-4, atol=1e-4)
+
+
+def test_products_at_many_pairs_a_row_taken_in_column_blocks_are_those_of_every_pair(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU, where the rows read take more than WHOLE_ROW_ENTRIES pairs each, the sampled product is taken a block
+    of PAIR_BLOCK columns at a time (blocks that do not divide the row here): the same products, in float64 sums."""
+    monkeypatch.setattr(sg, "PAIR_BLOCK", 100)
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(10, 640, generator=g), torch.randn(60, 640, generator=g)
+    read = torch.rand(10, 60, generator=g).argsort(1) < 2 * sg.WHOLE_ROW_ENTRIES  # 24 pairs a row
+    rows, cols = read.nonzero(as_tuple=True)
+    torch.testing.assert_close(sg.pair_products(a, b, rows, cols), (a @ b.T)[rows, cols].double(), **CLOSE)
+
+
+def test_pairs_that_many_a_row_read_are_taken_alone_only_where_fewer_of_all_are_read() -> None:
+    """taken_alone on CPU: up to SAMPLED_DENSITY of the pairs where rows read few, WIDE_ROW_DENSITY where each row
+    reads more than WHOLE_ROW_ENTRIES (a sampled product then runs in column blocks, several dense multiply-adds a
+    pair)."""
+    few_rows = torch.zeros(8, 40, dtype=torch.bool)
+    few_rows[:, :10] = True  # 10 a row, a quarter of all
+    assert sg.taken_alone(few_rows)
+    many = torch.zeros(8, 100, dtype=torch.bool)
+    many[:, :25] = True  # 25 a row, a quarter of all
+    assert not sg.taken_alone(many)
+    many[:, 15:25] = False  # 15 a row, 0.15 of all
+    assert sg.taken_alone(many)
+    assert not sg.taken_alone(many.unsqueeze(2).expand(8, 100, 2).clone() | True)  # [R, S, k]: every pair

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from dfca.core.ratio import MIN_WEIGHT, trailing
-from dfca.core.sparse_factor import GPU_SPARSE_DENSITY, product_factor
+from dfca.core.sparse_factor import GPU_SPARSE_DENSITY, WIDE_ROW_DENSITY, add_product, product_factor
 
 BLOCK_FLOATS = 1 << 25  # parameter values of tested estimates formed at once (128 MiB of float32)
 BEHIND = 2.0  # an estimate of the row's own cluster this many own steps behind its own estimate is dropped
@@ -67,13 +67,16 @@ SAMPLED_DENSITY = 0.3
 # of pairs, one thread: 10 values 0.003 against 0.5 ms, 200 values 0.011 against 0.035 ms; 2,000 values 0.6 against
 # 0.16 ms)
 SAMPLED_WIDTH = 512
-# A step's mix takes a CSR first factor only where, besides, its rows hold at most this many entries on average, on
-# CPU: a CSR entry reads a whole source row, so wide rows of many neighbours go out of cache, while the dense product
-# gets faster per entry as the rows grow. One thread, h=200's first layer (156,800 values a row) through the
-# clusters' views, CSR's time over the dense product's: 30 rows at density 0.13 / 0.3 (4 / 9 a row) 0.48 / 0.92;
-# 60 rows at 0.15 / 0.3 (9 / 18) 0.75 / 2.45; 100 rows at 0.15 (15) 1.04; 240 rows at 0.05 / 0.1 / 0.2 (12 / 24 /
-# 48) 0.36 / 1.87 / 2.88.
-MIX_ROW_ENTRIES = 12
+# A sparse product of a step (its mix's CSR factor, its products at the pairs read) is taken whole where its rows hold
+# at most this many entries on average, on CPU; beyond, a block of sparse_factor.COLUMN_BLOCK columns at a time, and
+# only where at most sparse_factor.WIDE_ROW_DENSITY of it is read (a whole CSR entry reads a whole source row, so
+# wide rows of many neighbours go out of cache). The mix: sparse_factor's figures. The products at the pairs read,
+# h=200's 156,800 values a row, one thread, cold caches, the products of every pair (per cluster) / at the pairs
+# whole / in blocks of 512 columns, ms: N=30, k=2, 4 pairs a row 22 / 10 / 23, 8 a row 20 / 20 / 28; N=60, k=4,
+# 9 a row 86 / 80 / 69, 19 a row (density 0.3) 85 / 159 / 101; N=100, k=2, 14 a row 96 / 99 / 70; N=240, k=4,
+# 12 a row 784 / 374 / 327, 24 a row 808 / 760 / 551.
+WHOLE_ROW_ENTRIES = 12
+PAIR_BLOCK = 512  # columns a block of the products at the pairs read takes (their rows: 2 KiB each, in cache)
 
 # (receiver rows [P], their estimates of their own cluster [P, ...]) -> [P] bool: keep the estimate
 EstimateTest = Callable[[Tensor, dict[str, Tensor]], Tensor]
@@ -180,17 +183,23 @@ def by_cluster(t: Tensor) -> Tensor:
 
 
 def taken_alone(pairs: Tensor) -> bool:
-    """Whether the pairs [...] bool that are read are few enough of all for products at them alone to be faster
-    than every pair's (SAMPLED_DENSITY on CPU, GPU_SPARSE_DENSITY on a GPU)."""
-    density = SAMPLED_DENSITY if pairs.device.type == "cpu" else GPU_SPARSE_DENSITY
-    return int(pairs.sum()) <= density * pairs.numel()
+    """Whether the pairs [R, S, ...] bool that are read are few enough of all for products at them alone to be
+    faster than every pair's (SAMPLED_DENSITY on CPU, GPU_SPARSE_DENSITY on a GPU; on CPU, where a row (each index
+    but the second) reads more than WHOLE_ROW_ENTRIES on average, at most WIDE_ROW_DENSITY)."""
+    read = int(pairs.sum())
+    if pairs.device.type != "cpu":
+        return read <= GPU_SPARSE_DENSITY * pairs.numel()
+    wide = read > WHOLE_ROW_ENTRIES * (pairs.numel() // max(pairs.shape[1], 1))
+    return read <= (min(SAMPLED_DENSITY, WIDE_ROW_DENSITY) if wide else SAMPLED_DENSITY) * pairs.numel()
 
 
 def pair_products(a: Tensor, b: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
     """[P] float64: a[rows[p]] . b[cols[p]] (a [R, F], b [C, F]) at P distinct pairs alone, in their order: one
     sampled product (CSR) where the rows are wide (F >= SAMPLED_WIDTH), else every pair's product, read at them.
     The rows of a row-major [R, k, F] as its [R k, F] view are contiguous, which the sampled product needs to take
-    them in place (a cluster's [R, F] view is copied first: several times as long, measured)."""
+    them in place (a cluster's [R, F] view is copied first: several times as long, measured). On CPU, where the rows
+    of a that are read take more than WHOLE_ROW_ENTRIES pairs each on average, the sampled product is taken a block
+    of PAIR_BLOCK columns at a time, its sums added in float64."""
     if a.shape[1] < SAMPLED_WIDTH:
         return (a @ b.T)[rows, cols].double()
     key = rows * b.shape[0] + cols
@@ -201,7 +210,14 @@ def pair_products(a: Tensor, b: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
         warnings.simplefilter("ignore", UserWarning)
         pattern = torch.sparse_csr_tensor(crow, cols[order], torch.ones(order.shape[0], dtype=a.dtype,
                                                                        device=a.device), (a.shape[0], b.shape[0]))
-        values = torch.sparse.sampled_addmm(pattern, a, b.T, beta=0.0).values()
+        wide = a.device.type == "cpu" and rows.shape[0] > WHOLE_ROW_ENTRIES * int((crow[1:] > crow[:-1]).sum())
+        if wide and a.shape[1] > PAIR_BLOCK:
+            values = torch.zeros(order.shape[0], dtype=torch.float64, device=a.device)
+            for start in range(0, a.shape[1], PAIR_BLOCK):
+                block = slice(start, start + PAIR_BLOCK)
+                values += torch.sparse.sampled_addmm(pattern, a[:, block], b[:, block].T, beta=0.0).values().double()
+        else:
+            values = torch.sparse.sampled_addmm(pattern, a, b.T, beta=0.0).values()
     out = torch.empty(order.shape[0], dtype=torch.float64, device=a.device)
     out[order] = values.double()
     return out
@@ -572,16 +588,16 @@ def mixed(num: Mapping[str, Tensor], den: Tensor, delivered: Tensor, arrived_num
     weight = keep.to(den.dtype) if cap is None else keep.to(den.dtype) * cap.to(den.dtype)  # [M, S, k]
     divisor = delivered.sum(1).to(den.dtype) + 1
     new_den = (den + (weight * clean.to(den.dtype).unsqueeze(0)).sum(1)) / trailing(divisor, den)
-    # [k, M, S]: what each arrived num counts for, over the divisor; CSR where few are non-zero and rows hold few
-    # (SAMPLED_DENSITY, MIX_ROW_ENTRIES)
+    # [k, M, S]: what each arrived num counts for, over the divisor; CSR where few are non-zero, taken in column
+    # blocks where its rows hold many (SAMPLED_DENSITY, WHOLE_ROW_ENTRIES)
     mix = (weight * scale.to(den.dtype).unsqueeze(0)).permute(2, 0, 1) / divisor.view(1, -1, 1)
-    factors = [product_factor(mix[j], SAMPLED_DENSITY, MIX_ROW_ENTRIES) for j in range(mix.shape[0])]
+    factors = [product_factor(mix[j], SAMPLED_DENSITY, WHOLE_ROW_ENTRIES) for j in range(mix.shape[0])]
     out: dict[str, Tensor] = {}
     for n, v in num.items():  # (own + mix @ arrived) / divisor, summed in place through the clusters' views [M, F]
         total = v / trailing(divisor.to(v.dtype), v)
         own, arrived = by_cluster(total), by_cluster(arrived_num[n].to(v.dtype))
         for j, factor in enumerate(factors):
-            own[j].addmm_(factor.to(v.dtype), arrived[j])
+            add_product(own[j], factor.to(v.dtype), arrived[j], WHOLE_ROW_ENTRIES)
         out[n] = total
     return out, new_den
 
