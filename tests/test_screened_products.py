@@ -132,4 +132,9 @@ def test_pairs_that_many_a_row_read_are_taken_alone_only_where_fewer_of_all_are_
     assert not sg.taken_alone(many)
     many[:, 15:25] = False  # 15 a row, 0.15 of all
     assert sg.taken_alone(many)
-    assert not sg.taken_alone(many.unsqueeze(2).expand(8, 100, 2).clone() | True)  # [R, S, k]: every pair
+    wide = torch.zeros(8, 100, 2, dtype=torch.bool)  # [R, S, k]: each (row, cluster) a row of pairs
+    wide[:, :25, 0] = wide[:, 25:50, 1] = True  # 25 a (row, cluster), a quarter of all
+    assert not sg.taken_alone(wide)
+    narrow = torch.zeros(8, 40, 2, dtype=torch.bool)
+    narrow[:, :10, 0] = narrow[:, 10:20, 1] = True  # 10 a (row, cluster), a quarter of all
+    assert sg.taken_alone(narrow)
