@@ -16,16 +16,25 @@ from typing import Any
 import pytest
 import torch
 
+from dfca.algorithms import schedule_of
 from dfca.config import ExperimentConfig
 from dfca.core.aggregation import fold_models
 from dfca.core.consensus import StepConsensus
 from dfca.core.ratio import ratio_estimate
 from dfca.core.screened_gossip import MergeFolds, Screen, budgeted, screened_arrivals, screened_mix
-from dfca.core.seeding import first_slot_scores, refused_candidates, responds_to_input
+from dfca.core.seeding import (
+    FIRST_HAND,
+    UNRANKED,
+    OriginCopies,
+    first_slot_scores,
+    refused_candidates,
+    relay_hops,
+    responds_to_input,
+)
 from dfca.data import build_federated_data
 from dfca.graph import build_graph, neighbours
 from dfca.settings import ENV_VARS
-from harness.forged_lockstep import honest_scores, run_with_forger
+from harness.forged_lockstep import forged_run, honest_scores, run_with_forger
 from harness.forgery import Attack, top_draw
 
 
@@ -54,6 +63,53 @@ def test_the_relay_liar_claims_the_true_top_draw() -> None:
     origin, draw = top_draw(3, 10)
     assert draw == float(first_slot_scores(3, range(10)).max()) and not refused_candidates(
         torch.tensor([draw], dtype=torch.float64), torch.tensor([origin]), 0, 3, 10).item()
+
+
+def test_a_relay_ranks_by_how_near_its_sender_is_to_the_origin() -> None:
+    graph = {0: [1], 1: [0, 2], 2: [1, 3], 3: [2]}  # a path 0 - 1 - 2 - 3
+    senders, origins = torch.tensor([0, 1, 2, 3, 3]), torch.tensor([0, 0, 0, 0, 2])
+    assert relay_hops(graph, senders, origins, limit=3).tolist() == [0, 1, 2, 3, 1]
+    assert relay_hops(graph, senders, origins, limit=2).tolist() == [0, 1, 2, UNRANKED, 1]  # beyond the limit
+
+
+def test_a_host_keeps_the_nearest_copy_of_an_origin_then_the_most_senders_then_the_lowest_sender() -> None:
+    def model(value: float) -> dict[str, torch.Tensor]:
+        return {"w": torch.full((2,), value)}
+
+    copies = OriginCopies()
+    copies.add(1.0, model(1.0), 3, 7)  # a relay from 2 hops away
+    copies.add(2.0, model(2.0), 3, 8)
+    copies.add(2.0, model(2.0), 3, 9)  # the same content from another sender at that rank
+    assert float(copies.kept()["w"][0]) == 2.0
+    copies.add(1.0, model(1.0), 2, 5)  # the first content, nearer the origin: it ranks better whatever the votes
+    assert float(copies.kept()["w"][0]) == 1.0
+    copies.add(3.0, model(3.0), 2, 4)  # one sender each at the best rank: the lowest sender's
+    assert float(copies.kept()["w"][0]) == 3.0
+    copies.add(1.0, model(1.0), FIRST_HAND, 0)  # the origin's own
+    assert float(copies.kept()["w"][0]) == 1.0
+
+
+def test_a_relay_of_the_true_top_draw_with_a_model_of_its_own_does_not_replace_the_origins_model() -> None:
+    """Slot 0 of seeding, host 1 of 3 compromised (`relay`: the true top draw, a model of its own, from every one of
+    its clients in every round): relays sent before the origin's candidate could have reached their sender are
+    refused, and every honest host keeps the origin's own model, which a client of it heard first-hand or most of its
+    clients' nearer neighbours relayed: each honest client installs the seed the run without the liar installs."""
+    cfg = small_config(screen=True)
+    seed = next(s for s in range(50) if top_draw(s, cfg.data.clients)[0] % 3 != 1)  # an origin the liar does not host
+    cfg = cfg.model_copy(update={"seed": seed})
+    data = build_federated_data(cfg)
+    graph = neighbours(build_graph(cfg.topology, data.num_clients, cfg.seed))
+    rounds = schedule_of(cfg).seeding(0).rounds_per_slot  # slot 0's rounds
+    installed = []
+    for attack in (Attack(), Attack("relay", "none")):
+        run = forged_run(cfg, data, graph, attack, rounds)
+        installed.append([{n: v[:, 0].clone() for n, v in d.algorithm.params.items()}
+                          for h, d in enumerate(run.drivers) if h != 1])
+        early = sum(d.algorithm.refused["seed_early"] for h, d in enumerate(run.drivers) if h != 1)
+        assert (early > 0) == (attack.seed == "relay"), early
+    for honest_host, attacked_host in zip(*installed, strict=True):
+        for name, tensor in honest_host.items():
+            torch.testing.assert_close(attacked_host[name], tensor, rtol=0, atol=0)
 
 
 # -- screened gossip: the kernel ------------------------------------------------------------------------------------

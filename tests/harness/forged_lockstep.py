@@ -26,6 +26,12 @@ def run_with_forger(cfg: ExperimentConfig, data: FederatedData, graph: Graph, at
     """`cfg` over `hosts` in-memory drivers in lockstep, host `forger` compromised: it runs the algorithm, but its
     clients send what `attack` forges (harness.forgery). An exchange whose forgeries were refused closes after
     `timeout`, as on the runtime."""
+    return forged_run(cfg, data, graph, attack, schedule_of(cfg).total_rounds, hosts, forger, timeout)
+
+
+def forged_run(cfg: ExperimentConfig, data: FederatedData, graph: Graph, attack: Attack, rounds: int, hosts: int = 3,
+               forger: int = 1, timeout: float = 0.5) -> LockstepRun:
+    """run_with_forger's first `rounds` rounds."""
     broker = InMemoryBroker()
     n = data.num_clients
     groups = [list(range(h, n, hosts)) for h in range(hosts)]
@@ -33,7 +39,7 @@ def run_with_forger(cfg: ExperimentConfig, data: FederatedData, graph: Graph, at
                for g in groups]
     drivers[forger].algorithm = cast(Algorithm, Forger(drivers[forger].algorithm, attack, cfg.seed))
     run = LockstepRun(drivers, None)
-    for t in range(schedule_of(cfg).total_rounds):
+    for t in range(rounds):
         lockstep_round(run, t, timeout, strict=False)
     return run
 

@@ -66,7 +66,15 @@ from dfca.core.consensus import (
 )
 from dfca.core.params import gather_clusters
 from dfca.core.screened_gossip import MergeFolds, Screen, own_rows, screened_arrivals, training_steps
-from dfca.core.seeding import SeedCandidates, first_slot_scores, fit_scores, refused_candidates, responds_to_input
+from dfca.core.seeding import (
+    FIRST_HAND,
+    SeedCandidates,
+    first_slot_scores,
+    fit_scores,
+    refused_candidates,
+    relay_hops,
+    responds_to_input,
+)
 from dfca.models.batched import Params
 from dfca.run_size import SCREEN_COPIES
 from dfca.schedule import RoundSchedule, diameter_bound
@@ -435,9 +443,16 @@ class DFCA(Algorithm):
             score, origin = inbox.tensors["score"], inbox.tensors["origin"]
             refused = refused_candidates(score, origin, seeding.slot, self.ctx.cfg.seed, self.ctx.cfg.data.clients)
             self.refused["seed_score"] += int((inbox.delivered & refused).any(0).sum())
-            delivered = inbox.delivered & ~refused.unsqueeze(0)
+            sender = inbox.sender.to(origin.device)
+            elsewhere = torch.tensor([int(o) not in self.seeds.row for o in origin.tolist()], device=origin.device)
+            hops = relay_hops(self.ctx.graph, sender, origin, seeding.step + 1, elsewhere)  # a hosted origin's model
+            # is its local one whoever relays it: ranks and timing matter for the others only
+            early = (sender != origin) & (hops > seeding.step)  # relayed before the origin's candidate could reach it
+            self.refused["seed_early"] += int((inbox.delivered & early.unsqueeze(0)).any(0).sum())
+            delivered = inbox.delivered & ~(refused | early).unsqueeze(0)
             check = self.candidate_check
-            self.refused["seed_model"] += self.seeds.offer(delivered, score, origin, inbox.tensors, check)
+            self.refused["seed_model"] += self.seeds.offer(delivered, score, origin, inbox.tensors, check, sender,
+                                                           hops + FIRST_HAND)
             return int(delivered.sum())
         if ex.name == "gossip":
             assert self.consensus is not None

@@ -22,13 +22,25 @@ distribution, before any cluster model is trained:
 
 The k slots take k * flood_rounds rounds (dfca.schedule), one message per neighbour per round, no
 training. Lost or late messages only slow the flood; the max does not depend on arrival order.
+
+Which copy of a candidate's model a host keeps. A slot-0 score is checked (every receiver recomputes the draw), its
+model is not: a liar can relay the true top draw with a model of its own. So a copy of origin o's candidate that
+client s sends ranks by how near s is to o in the graph (`relay_hops`): first-hand (s = o) ranks 1, a relay
+dist(s, o) + 1, and a relay sent in a slot's round r before o's candidate can have reached s (r < dist(s, o)) is a
+lie, refused. A host keeps, for each origin, the copy that came with the best rank, then from the most senders at
+that rank, then from the lowest sender id (`OriginCopies`), and every hosted row that holds that origin holds that
+copy: a host with one client next to the origin holds the origin's own model from the slot's first round on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
+import scipy.sparse
 import torch
+from scipy.sparse.csgraph import dijkstra
 from torch import Tensor
 
 from dfca.models.batched import Params
@@ -91,6 +103,80 @@ def best_arrivals(score: Tensor, origin: Tensor, delivered: Tensor) -> Tensor:
     return torch.where(delivered.any(1), best, -1)
 
 
+FIRST_HAND = 1  # the rank of a copy its origin sent itself
+UNRANKED = 1 << 30  # the rank of a copy whose path is not known (restored from a checkpoint) or is too long
+
+
+def relay_hops(graph: Mapping[int, Sequence[int]], senders: Tensor, origins: Tensor, limit: int,
+               wanted: Tensor | None = None) -> Tensor:
+    """[S] long: the graph distance from each origin to its sender (0 where they are one), UNRANKED beyond `limit`
+    hops: how many rounds an origin's candidate needs to reach the sender through relays. Where `wanted` [S] bool is
+    given, only for those (0 for the others)."""
+    hops = torch.zeros(senders.shape[0], dtype=torch.long)
+    relayed = ((senders != origins) & (True if wanted is None else wanted)).nonzero().squeeze(1).tolist()
+    if relayed:
+        sender_ids, origin_ids = senders.tolist(), origins.tolist()
+        nodes = sorted({int(c) for c in graph} | {int(m) for ms in graph.values() for m in ms})
+        index = {c: i for i, c in enumerate(nodes)}
+        rows = np.array([index[int(c)] for c, ms in graph.items() for _ in ms], dtype=np.int64)
+        cols = np.array([index[int(m)] for ms in graph.values() for m in ms], dtype=np.int64)
+        adjacency = scipy.sparse.csr_matrix((np.ones(rows.shape[0]), (rows, cols)), shape=(len(nodes),) * 2)
+        sources = sorted({origin_ids[s] for s in relayed if origin_ids[s] in index})
+        far = dijkstra(adjacency, directed=False, unweighted=True, indices=[index[o] for o in sources],
+                       limit=limit + 0.5) if sources else np.zeros((0, len(nodes)))
+        at = {o: i for i, o in enumerate(sources)}
+        for s in relayed:
+            o, c = origin_ids[s], sender_ids[s]
+            d = far[at[o], index[c]] if o in at and c in index else np.inf
+            hops[s] = int(d) if np.isfinite(d) else UNRANKED
+    return hops.to(senders.device)
+
+
+def copy_fingerprints(models: Mapping[str, Tensor]) -> Tensor:
+    """[S] float64: a number per model of `models` [S, ...] that tells different copies of a model apart (its values
+    against fixed pseudo-random weights; equal copies give equal numbers)."""
+    total = torch.zeros(next(iter(models.values())).shape[0], dtype=torch.float64)
+    for n in sorted(models):
+        v = models[n].reshape(models[n].shape[0], -1).to(torch.float64)
+        weights = torch.rand(v.shape[1], generator=torch.Generator().manual_seed(v.shape[1]), dtype=torch.float64)
+        total = total.to(v.device) + v @ weights.to(v.device)
+    return total
+
+
+@dataclass
+class _Copy:
+    model: Params  # as received
+    rank: int  # the best rank it came with
+    senders: set[int] = field(default_factory=set)  # who sent it at that rank
+    owned: bool = False  # the model is a copy of its own, not a view of the inbox it came in
+
+
+class OriginCopies:
+    """The copies of one origin's candidate that reached a host, and the one it keeps (`kept`): the best rank, then
+    the most senders at that rank, then the lowest sender id."""
+
+    def __init__(self) -> None:
+        self.copies: dict[float, _Copy] = {}  # fingerprint -> the copy
+
+    def add(self, fingerprint: float, model: Params, rank: int, sender: int) -> None:
+        copy = self.copies.setdefault(fingerprint, _Copy(model, rank))
+        if rank < copy.rank:
+            copy.rank, copy.senders = rank, set()
+        if rank == copy.rank and rank < UNRANKED:
+            copy.senders.add(sender)
+
+    def kept(self) -> Params:
+        def order(copy: _Copy) -> tuple[int, int, int]:
+            return copy.rank, -len(copy.senders), min(copy.senders, default=1 << 62)
+        return min(self.copies.values(), key=order).model
+
+    def own(self) -> None:
+        """Copy the kept models out of the tensors they arrived in (an inbox's), which the driver reuses."""
+        for copy in self.copies.values():
+            if not copy.owned:
+                copy.model, copy.owned = {n: v.clone() for n, v in copy.model.items()}, True
+
+
 class SeedCandidates:
     """The candidate (score, origin) each hosted client holds, and where its model is: a hosted client's
     local model, or a model that arrived with a candidate. A driver hosting every client never needs
@@ -108,7 +194,7 @@ class SeedCandidates:
         self.score = torch.zeros(clients.shape[0], dtype=torch.float64, device=clients.device)
         self.origin = clients.clone()
         self.slot = 0
-        self.arrived: dict[int, Params] = {}  # origin -> model, for origins not hosted here
+        self.arrived: dict[int, OriginCopies] = {}  # origin -> its copies, for origins not hosted here
         self._models: Params | None = None  # models(), until the candidates change
 
     def open(self, slot: int, scores: Tensor) -> None:
@@ -119,13 +205,14 @@ class SeedCandidates:
     def restore(self, score: Tensor, origin: Tensor, slot: int, candidates: Params) -> None:
         """From a checkpoint: the candidates and, for origins not hosted here, their models [M, ...]."""
         self.slot, self.score, self.origin = slot, score.to(self.score.device), origin.to(self.origin.device)
-        self.arrived = {int(o): {n: v[r].to(self.origin.device) for n, v in candidates.items()}
-                        for r, o in enumerate(self.origin.tolist()) if int(o) not in self.row}
+        self.arrived = {}
+        for r, o in enumerate(self.origin.tolist()):
+            if int(o) not in self.row and int(o) not in self.arrived:
+                self.arrived[int(o)] = OriginCopies()
+                self.arrived[int(o)].add(0.0, {n: v[r].to(self.origin.device) for n, v in candidates.items()},
+                                         UNRANKED, -1)
+                self.arrived[int(o)].own()
         self._models = None
-
-    def model(self, origin: int) -> Params:
-        r = self.row.get(origin)
-        return {n: v[r] for n, v in self.local.items()} if r is not None else self.arrived[origin]
 
     def models(self) -> Params:
         """[M, ...]: the model of every hosted client's candidate (as received where it is another client's); built
@@ -150,7 +237,7 @@ class SeedCandidates:
         if all(o in self.row for o in self.origin.tolist()):
             out = self.origin_models()
         else:
-            chosen = [self.model(o) for o in self.origin.tolist()]
+            chosen = [self.kept_model(o) for o in self.origin.tolist()]
             out = {n: torch.stack([c[n] for c in chosen]) for n in self.local}
         relayed = (self.origin != self.clients).nonzero().squeeze(1)
         if self.wire is not None and relayed.numel():
@@ -160,40 +247,60 @@ class SeedCandidates:
         return out
 
     def offer(self, delivered: Tensor, score: Tensor, origin: Tensor, models: Mapping[str, Tensor],
-              check: Callable[[Tensor, Params], Tensor] | None = None) -> int:
-        """Arrived candidates: each client keeps the best of its own and the ones delivered to it.
+              check: Callable[[Tensor, Params], Tensor] | None = None, sender: Tensor | None = None,
+              rank: Tensor | None = None) -> int:
+        """Arrived candidates: each client keeps the best of its own and the ones delivered to it, and the host
+        keeps one copy of each origin's model (`OriginCopies`) for all its rows.
 
+        `sender` [S], `rank` [S] (`relay_hops` + 1: FIRST_HAND for a copy its origin sent): who sent each copy and
+        how near its origin (by default every copy is first-hand, from the sender of its index).
         `check(rows, candidate models [R, ...])` -> [R] bool: whether each row may keep the candidate it
-        likes best; a refused one is dropped for that row and its next best considered. Returns the
-        number of (row, candidate) pairs refused."""
+        likes best (the copy its host keeps); a refused one is dropped for that row and its next best considered.
+        Returns the number of (row, candidate) pairs refused."""
         delivered = delivered.clone()
+        senders = (sender if sender is not None else torch.arange(score.shape[0])).tolist()
+        ranks = (rank if rank is not None else torch.full((score.shape[0],), FIRST_HAND)).tolist()
+        came = delivered.any(0).nonzero().squeeze(1).tolist()
+        fresh = [s for s in came if int(origin[s]) not in self.row]
+        if fresh:
+            index = torch.tensor(fresh, device=score.device)
+            prints = copy_fingerprints({n: models[n].index_select(0, index) for n in self.local}).tolist()
+            for s, fingerprint in zip(fresh, prints, strict=True):
+                self.arrived.setdefault(int(origin[s]), OriginCopies()).add(
+                    fingerprint, {n: models[n][s] for n in self.local}, ranks[s], senders[s])
+            self._models = None  # a held origin's kept copy may have changed
         refused = 0
         while True:
             best = best_arrivals(score, origin, delivered)
             rows = (best >= 0).nonzero().squeeze(1)
             if rows.numel() == 0:
-                return refused
+                break
             pick = best[rows]
             better = beats(score[pick], origin[pick], self.score[rows], self.origin[rows])
             rows, pick = rows[better], pick[better]
             if rows.numel() == 0:
-                return refused
+                break
             if check is not None:
-                ok = check(rows, {n: models[n].index_select(0, pick) for n in self.local})
+                kept = [self.kept_model(int(origin[p])) for p in pick.tolist()]
+                ok = check(rows, {n: torch.stack([m[n] for m in kept]) for n in self.local})
                 if not bool(ok.all()):
-                    delivered[rows[~ok], pick[~ok]] = False
+                    refused_origins = origin[pick[~ok]]
+                    delivered[rows[~ok]] &= origin.unsqueeze(0) != refused_origins.unsqueeze(1)
                     refused += int((~ok).sum())
                     continue
+            self.score[rows], self.origin[rows] = score[pick], origin[pick]
+            self._models = None
             break
-        self.score[rows], self.origin[rows] = score[pick], origin[pick]
-        self._models = None
-        for s in pick.tolist():
-            o = int(origin[s])
-            if o not in self.row and o not in self.arrived:
-                self.arrived[o] = {n: models[n][s].clone() for n in self.local}
         held = set(self.origin.tolist())
-        self.arrived = {o: m for o, m in self.arrived.items() if o in held}
+        self.arrived = {o: copies for o, copies in self.arrived.items() if o in held}
+        for copies in self.arrived.values():
+            copies.own()
         return refused
+
+    def kept_model(self, origin: int) -> Params:
+        """The model of origin's candidate this host keeps: its local model where it is hosted here."""
+        r = self.row.get(origin)
+        return {n: v[r] for n, v in self.local.items()} if r is not None else self.arrived[origin].kept()
 
     def install(self, params: Params, slot: int) -> None:
         """After a slot's last round: each client's candidate becomes its model of cluster `slot`."""
