@@ -26,9 +26,9 @@ from dfca.core.seeding import (
     FIRST_HAND,
     UNRANKED,
     OriginCopies,
+    RelayHops,
     first_slot_scores,
     refused_candidates,
-    relay_hops,
     responds_to_input,
 )
 from dfca.data import build_federated_data
@@ -68,8 +68,10 @@ def test_the_relay_liar_claims_the_true_top_draw() -> None:
 def test_a_relay_ranks_by_how_near_its_sender_is_to_the_origin() -> None:
     graph = {0: [1], 1: [0, 2], 2: [1, 3], 3: [2]}  # a path 0 - 1 - 2 - 3
     senders, origins = torch.tensor([0, 1, 2, 3, 3]), torch.tensor([0, 0, 0, 0, 2])
-    assert relay_hops(graph, senders, origins, limit=3).tolist() == [0, 1, 2, 3, 1]
-    assert relay_hops(graph, senders, origins, limit=2).tolist() == [0, 1, 2, UNRANKED, 1]  # beyond the limit
+    hops = RelayHops(graph)
+    assert hops.hops(senders, origins, limit=3).tolist() == [0, 1, 2, 3, 1]
+    assert hops.hops(senders, origins, limit=2).tolist() == [0, 1, 2, UNRANKED, 1]  # beyond the limit
+    assert hops.hops(senders, origins, 3, torch.tensor([True, True, False, True, False])).tolist() == [0, 1, 0, 3, 0]
 
 
 def test_a_host_keeps_the_nearest_copy_of_an_origin_then_the_most_senders_then_the_lowest_sender() -> None:
@@ -77,16 +79,16 @@ def test_a_host_keeps_the_nearest_copy_of_an_origin_then_the_most_senders_then_t
         return {"w": torch.full((2,), value)}
 
     copies = OriginCopies()
-    copies.add(1.0, model(1.0), 3, 7)  # a relay from 2 hops away
-    copies.add(2.0, model(2.0), 3, 8)
-    copies.add(2.0, model(2.0), 3, 9)  # the same content from another sender at that rank
+    copies.add(model(1.0), 3, 7)  # a relay from 2 hops away
+    copies.add(model(2.0), 3, 8)
+    copies.add(model(2.0), 3, 9)  # the same content from another sender at that rank
     assert float(copies.kept()["w"][0]) == 2.0
-    copies.add(1.0, model(1.0), 2, 5)  # the first content, nearer the origin: it ranks better whatever the votes
+    copies.add(model(1.0), 2, 5)  # the first content, nearer the origin: it ranks better whatever the votes
     assert float(copies.kept()["w"][0]) == 1.0
-    copies.add(3.0, model(3.0), 2, 4)  # one sender each at the best rank: the lowest sender's
+    copies.add(model(3.0), 2, 4)  # one sender each at the best rank: the lowest sender's
     assert float(copies.kept()["w"][0]) == 3.0
-    copies.add(1.0, model(1.0), FIRST_HAND, 0)  # the origin's own
-    assert float(copies.kept()["w"][0]) == 1.0
+    copies.add(model(1.0), FIRST_HAND, 0)  # the origin's own
+    assert float(copies.kept()["w"][0]) == 1.0 and len(copies.copies) == 3  # copies told apart by their values
 
 
 def test_a_relay_of_the_true_top_draw_with_a_model_of_its_own_does_not_replace_the_origins_model() -> None:

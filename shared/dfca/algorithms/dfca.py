@@ -68,11 +68,11 @@ from dfca.core.params import gather_clusters
 from dfca.core.screened_gossip import MergeFolds, Screen, own_rows, screened_arrivals, training_steps
 from dfca.core.seeding import (
     FIRST_HAND,
+    RelayHops,
     SeedCandidates,
     first_slot_scores,
     fit_scores,
     refused_candidates,
-    relay_hops,
     responds_to_input,
 )
 from dfca.models.batched import Params
@@ -311,6 +311,7 @@ class DFCA(Algorithm):
         self.sizes = sample_counts(ctx.data) if ctx.data is not None and ctx.data.is_ragged else None
         self.consensus: WalkConsensus | RoundedWalkConsensus | StepConsensus | None = None
         self.seeds: SeedCandidates | None = None
+        self._relay_hops: RelayHops | None = None  # the graph's distances, for seeding's relays
         self.merge_screen: Screen | None = None  # what the open one-hop merge screens arrivals against
         self.merge_folds: MergeFolds | None = None  # its folded arrivals, for the tests at its end
 
@@ -445,7 +446,9 @@ class DFCA(Algorithm):
             self.refused["seed_score"] += int((inbox.delivered & refused).any(0).sum())
             sender = inbox.sender.to(origin.device)
             elsewhere = torch.tensor([int(o) not in self.seeds.row for o in origin.tolist()], device=origin.device)
-            hops = relay_hops(self.ctx.graph, sender, origin, seeding.step + 1, elsewhere)  # a hosted origin's model
+            if self._relay_hops is None or self._relay_hops.graph is not self.ctx.graph:
+                self._relay_hops = RelayHops(self.ctx.graph)
+            hops = self._relay_hops.hops(sender, origin, seeding.step + 1, elsewhere)  # a hosted origin's model
             # is its local one whoever relays it: ranks and timing matter for the others only
             early = (sender != origin) & (hops > seeding.step)  # relayed before the origin's candidate could reach it
             self.refused["seed_early"] += int((inbox.delivered & early.unsqueeze(0)).any(0).sum())

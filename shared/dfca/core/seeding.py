@@ -25,7 +25,7 @@ training. Lost or late messages only slow the flood; the max does not depend on 
 
 Which copy of a candidate's model a host keeps. A slot-0 score is checked (every receiver recomputes the draw), its
 model is not: a liar can relay the true top draw with a model of its own. So a copy of origin o's candidate that
-client s sends ranks by how near s is to o in the graph (`relay_hops`): first-hand (s = o) ranks 1, a relay
+client s sends ranks by how near s is to o in the graph (`RelayHops`): first-hand (s = o) ranks 1, a relay
 dist(s, o) + 1, and a relay sent in a slot's round r before o's candidate can have reached s (r < dist(s, o)) is a
 lie, refused. A host keeps, for each origin, the copy that came with the best rank, then from the most senders at
 that rank, then from the lowest sender id (`OriginCopies`), and every hosted row that holds that origin holds that
@@ -107,40 +107,35 @@ FIRST_HAND = 1  # the rank of a copy its origin sent itself
 UNRANKED = 1 << 30  # the rank of a copy whose path is not known (restored from a checkpoint) or is too long
 
 
-def relay_hops(graph: Mapping[int, Sequence[int]], senders: Tensor, origins: Tensor, limit: int,
-               wanted: Tensor | None = None) -> Tensor:
-    """[S] long: the graph distance from each origin to its sender (0 where they are one), UNRANKED beyond `limit`
-    hops: how many rounds an origin's candidate needs to reach the sender through relays. Where `wanted` [S] bool is
-    given, only for those (0 for the others)."""
-    hops = torch.zeros(senders.shape[0], dtype=torch.long)
-    relayed = ((senders != origins) & (True if wanted is None else wanted)).nonzero().squeeze(1).tolist()
-    if relayed:
-        sender_ids, origin_ids = senders.tolist(), origins.tolist()
+class RelayHops:
+    """How far apart clients of a graph are, for `hops`: the graph's adjacency, built once per graph (`graph` is the
+    mapping it was built from: a new graph needs a new RelayHops)."""
+
+    def __init__(self, graph: Mapping[int, Sequence[int]]) -> None:
+        self.graph = graph
         nodes = sorted({int(c) for c in graph} | {int(m) for ms in graph.values() for m in ms})
-        index = {c: i for i, c in enumerate(nodes)}
-        rows = np.array([index[int(c)] for c, ms in graph.items() for _ in ms], dtype=np.int64)
-        cols = np.array([index[int(m)] for ms in graph.values() for m in ms], dtype=np.int64)
-        adjacency = scipy.sparse.csr_matrix((np.ones(rows.shape[0]), (rows, cols)), shape=(len(nodes),) * 2)
-        sources = sorted({origin_ids[s] for s in relayed if origin_ids[s] in index})
-        far = dijkstra(adjacency, directed=False, unweighted=True, indices=[index[o] for o in sources],
-                       limit=limit + 0.5) if sources else np.zeros((0, len(nodes)))
-        at = {o: i for i, o in enumerate(sources)}
-        for s in relayed:
-            o, c = origin_ids[s], sender_ids[s]
-            d = far[at[o], index[c]] if o in at and c in index else np.inf
-            hops[s] = int(d) if np.isfinite(d) else UNRANKED
-    return hops.to(senders.device)
+        self.index = {c: i for i, c in enumerate(nodes)}
+        rows = np.array([self.index[int(c)] for c, ms in graph.items() for _ in ms], dtype=np.int64)
+        cols = np.array([self.index[int(m)] for ms in graph.values() for m in ms], dtype=np.int64)
+        self.adjacency = scipy.sparse.csr_matrix((np.ones(rows.shape[0]), (rows, cols)), shape=(len(nodes),) * 2)
 
-
-def copy_fingerprints(models: Mapping[str, Tensor]) -> Tensor:
-    """[S] float64: a number per model of `models` [S, ...] that tells different copies of a model apart (its values
-    against fixed pseudo-random weights; equal copies give equal numbers)."""
-    total = torch.zeros(next(iter(models.values())).shape[0], dtype=torch.float64)
-    for n in sorted(models):
-        v = models[n].reshape(models[n].shape[0], -1).to(torch.float64)
-        weights = torch.rand(v.shape[1], generator=torch.Generator().manual_seed(v.shape[1]), dtype=torch.float64)
-        total = total.to(v.device) + v @ weights.to(v.device)
-    return total
+    def hops(self, senders: Tensor, origins: Tensor, limit: int, wanted: Tensor | None = None) -> Tensor:
+        """[S] long: the graph distance from each origin to its sender (0 where they are one), UNRANKED beyond
+        `limit` hops: how many rounds an origin's candidate needs to reach the sender through relays. Where `wanted`
+        [S] bool is given, only for those (0 for the others)."""
+        hops = torch.zeros(senders.shape[0], dtype=torch.long)
+        relayed = ((senders != origins) & (True if wanted is None else wanted)).nonzero().squeeze(1).tolist()
+        if relayed:
+            sender_ids, origin_ids = senders.tolist(), origins.tolist()
+            sources = sorted({origin_ids[s] for s in relayed if origin_ids[s] in self.index})
+            far = dijkstra(self.adjacency, directed=False, unweighted=True, limit=limit + 0.5,
+                           indices=[self.index[o] for o in sources]) if sources else np.zeros((0, len(self.index)))
+            at = {o: i for i, o in enumerate(sources)}
+            for s in relayed:
+                o, c = origin_ids[s], sender_ids[s]
+                d = far[at[o], self.index[c]] if o in at and c in self.index else np.inf
+                hops[s] = int(d) if np.isfinite(d) else UNRANKED
+        return hops.to(senders.device)
 
 
 @dataclass
@@ -152,14 +147,17 @@ class _Copy:
 
 
 class OriginCopies:
-    """The copies of one origin's candidate that reached a host, and the one it keeps (`kept`): the best rank, then
-    the most senders at that rank, then the lowest sender id."""
+    """The copies of one origin's candidate that reached a host, told apart by their values, and the one it keeps
+    (`kept`): the best rank, then the most senders at that rank, then the lowest sender id."""
 
     def __init__(self) -> None:
-        self.copies: dict[float, _Copy] = {}  # fingerprint -> the copy
+        self.copies: list[_Copy] = []
 
-    def add(self, fingerprint: float, model: Params, rank: int, sender: int) -> None:
-        copy = self.copies.setdefault(fingerprint, _Copy(model, rank))
+    def add(self, model: Params, rank: int, sender: int) -> None:
+        copy = next((c for c in self.copies if all(torch.equal(c.model[n], v) for n, v in model.items())), None)
+        if copy is None:
+            copy = _Copy(model, rank)
+            self.copies.append(copy)
         if rank < copy.rank:
             copy.rank, copy.senders = rank, set()
         if rank == copy.rank and rank < UNRANKED:
@@ -168,11 +166,11 @@ class OriginCopies:
     def kept(self) -> Params:
         def order(copy: _Copy) -> tuple[int, int, int]:
             return copy.rank, -len(copy.senders), min(copy.senders, default=1 << 62)
-        return min(self.copies.values(), key=order).model
+        return min(self.copies, key=order).model
 
     def own(self) -> None:
         """Copy the kept models out of the tensors they arrived in (an inbox's), which the driver reuses."""
-        for copy in self.copies.values():
+        for copy in self.copies:
             if not copy.owned:
                 copy.model, copy.owned = {n: v.clone() for n, v in copy.model.items()}, True
 
@@ -209,7 +207,7 @@ class SeedCandidates:
         for r, o in enumerate(self.origin.tolist()):
             if int(o) not in self.row and int(o) not in self.arrived:
                 self.arrived[int(o)] = OriginCopies()
-                self.arrived[int(o)].add(0.0, {n: v[r].to(self.origin.device) for n, v in candidates.items()},
+                self.arrived[int(o)].add({n: v[r].to(self.origin.device) for n, v in candidates.items()},
                                          UNRANKED, -1)
                 self.arrived[int(o)].own()
         self._models = None
@@ -252,7 +250,7 @@ class SeedCandidates:
         """Arrived candidates: each client keeps the best of its own and the ones delivered to it, and the host
         keeps one copy of each origin's model (`OriginCopies`) for all its rows.
 
-        `sender` [S], `rank` [S] (`relay_hops` + 1: FIRST_HAND for a copy its origin sent): who sent each copy and
+        `sender` [S], `rank` [S] (`RelayHops.hops` + 1: FIRST_HAND for a copy its origin sent): who sent each copy and
         how near its origin (by default every copy is first-hand, from the sender of its index).
         `check(rows, candidate models [R, ...])` -> [R] bool: whether each row may keep the candidate it
         likes best (the copy its host keeps); a refused one is dropped for that row and its next best considered.
@@ -260,14 +258,17 @@ class SeedCandidates:
         delivered = delivered.clone()
         senders = (sender if sender is not None else torch.arange(score.shape[0])).tolist()
         ranks = (rank if rank is not None else torch.full((score.shape[0],), FIRST_HAND)).tolist()
-        came = delivered.any(0).nonzero().squeeze(1).tolist()
-        fresh = [s for s in came if int(origin[s]) not in self.row]
+        # the copies that may be kept: of candidates hosted elsewhere, as good as the held one of a row they reached
+        m, s = delivered.shape
+        held_score, held_origin = self.score.unsqueeze(1).expand(m, s), self.origin.unsqueeze(1).expand(m, s)
+        at_least = beats(score.unsqueeze(0).expand(m, s), origin.unsqueeze(0).expand(m, s), held_score, held_origin) | (
+            (score.unsqueeze(0) == held_score) & (origin.unsqueeze(0) == held_origin))
+        reached = (delivered & at_least).any(0).nonzero().squeeze(1).tolist()
+        fresh = [a for a in reached if int(origin[a]) not in self.row]
+        for a in fresh:
+            self.arrived.setdefault(int(origin[a]), OriginCopies()).add({n: models[n][a] for n in self.local}, ranks[a],
+                                                                        senders[a])
         if fresh:
-            index = torch.tensor(fresh, device=score.device)
-            prints = copy_fingerprints({n: models[n].index_select(0, index) for n in self.local}).tolist()
-            for s, fingerprint in zip(fresh, prints, strict=True):
-                self.arrived.setdefault(int(origin[s]), OriginCopies()).add(
-                    fingerprint, {n: models[n][s] for n in self.local}, ranks[s], senders[s])
             self._models = None  # a held origin's kept copy may have changed
         refused = 0
         while True:
