@@ -283,7 +283,14 @@ class SeedCandidates:
                 break
             if check is not None:
                 kept = [self.kept_model(int(origin[p])) for p in pick.tolist()]
-                ok = check(rows, {n: torch.stack([m[n] for m in kept]) for n in self.local})
+                candidates = {n: torch.stack([m[n] for m in kept]) for n in self.local}
+                hosted = [i for i, p in enumerate(pick.tolist()) if int(origin[p]) in self.row]
+                if self.wire is not None and hosted:  # what the rows would hold: a hosted origin's model as received
+                    at = torch.tensor(hosted, device=score.device)
+                    received = self.wire({n: v.index_select(0, at) for n, v in candidates.items()})
+                    for n, v in candidates.items():
+                        v.index_copy_(0, at, received[n].to(v.dtype))
+                ok = check(rows, candidates)
                 if not bool(ok.all()):
                     refused_origins = origin[pick[~ok]]
                     delivered[rows[~ok]] &= origin.unsqueeze(0) != refused_origins.unsqueeze(1)
