@@ -37,10 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-import scipy.sparse
 import torch
-from scipy.sparse.csgraph import dijkstra
 from torch import Tensor
 
 from dfca.models.batched import Params
@@ -108,16 +105,25 @@ UNRANKED = 1 << 30  # the rank of a copy whose path is not known (restored from 
 
 
 class RelayHops:
-    """How far apart clients of a graph are, for `hops`: the graph's adjacency, built once per graph (`graph` is the
-    mapping it was built from: a new graph needs a new RelayHops)."""
+    """How far apart clients of a graph are, for `hops`: breadth-first from each origin asked about, as far as asked,
+    remembered per origin (`graph` is the mapping it walks: a new graph needs a new RelayHops)."""
 
     def __init__(self, graph: Mapping[int, Sequence[int]]) -> None:
         self.graph = graph
-        nodes = sorted({int(c) for c in graph} | {int(m) for ms in graph.values() for m in ms})
-        self.index = {c: i for i, c in enumerate(nodes)}
-        rows = np.array([self.index[int(c)] for c, ms in graph.items() for _ in ms], dtype=np.int64)
-        cols = np.array([self.index[int(m)] for ms in graph.values() for m in ms], dtype=np.int64)
-        self.adjacency = scipy.sparse.csr_matrix((np.ones(rows.shape[0]), (rows, cols)), shape=(len(nodes),) * 2)
+        self._reach: dict[int, tuple[int, dict[int, int]]] = {}  # origin -> (how far walked, client -> distance)
+
+    def distances(self, origin: int, limit: int) -> dict[int, int]:
+        """Every client within `limit` hops of `origin` (and maybe some further), and how many hops away."""
+        walked, found = self._reach.get(origin, (-1, {}))
+        if walked < limit:
+            found, frontier = {origin: 0}, [origin]
+            for depth in range(1, limit + 1):
+                frontier = [m for c in frontier for m in self.graph.get(c, ()) if m not in found
+                            and found.setdefault(m, depth) == depth]
+                if not frontier:
+                    break
+            self._reach[origin] = (limit, found)
+        return found
 
     def hops(self, senders: Tensor, origins: Tensor, limit: int, wanted: Tensor | None = None) -> Tensor:
         """[S] long: the graph distance from each origin to its sender (0 where they are one), UNRANKED beyond
@@ -125,16 +131,10 @@ class RelayHops:
         [S] bool is given, only for those (0 for the others)."""
         hops = torch.zeros(senders.shape[0], dtype=torch.long)
         relayed = ((senders != origins) & (True if wanted is None else wanted)).nonzero().squeeze(1).tolist()
-        if relayed:
-            sender_ids, origin_ids = senders.tolist(), origins.tolist()
-            sources = sorted({origin_ids[s] for s in relayed if origin_ids[s] in self.index})
-            far = dijkstra(self.adjacency, directed=False, unweighted=True, limit=limit + 0.5,
-                           indices=[self.index[o] for o in sources]) if sources else np.zeros((0, len(self.index)))
-            at = {o: i for i, o in enumerate(sources)}
-            for s in relayed:
-                o, c = origin_ids[s], sender_ids[s]
-                d = far[at[o], self.index[c]] if o in at and c in self.index else np.inf
-                hops[s] = int(d) if np.isfinite(d) else UNRANKED
+        sender_ids, origin_ids = senders.tolist(), origins.tolist()
+        for s in relayed:
+            d = self.distances(int(origin_ids[s]), limit).get(int(sender_ids[s]), UNRANKED)
+            hops[s] = d if d <= limit else UNRANKED
         return hops.to(senders.device)
 
 
