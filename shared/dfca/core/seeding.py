@@ -228,21 +228,26 @@ class SeedCandidates:
         origins = self.origin.tolist()
         if not all(o in self.row for o in origins):
             raise ValueError("origin_models needs every candidate's origin hosted here")
-        rows = torch.tensor([self.row[o] for o in origins], device=self.origin.device)
-        return {n: v.index_select(0, rows) for n, v in self.local.items()}
+        return self._stacked(origins)
 
     def _build_models(self) -> Params:
-        if all(o in self.row for o in self.origin.tolist()):
-            out = self.origin_models()
-        else:
-            chosen = [self.kept_model(o) for o in self.origin.tolist()]
-            out = {n: torch.stack([c[n] for c in chosen]) for n in self.local}
-        relayed = (self.origin != self.clients).nonzero().squeeze(1)
-        if self.wire is not None and relayed.numel():
-            received = self.wire({n: v.index_select(0, relayed) for n, v in out.items()})
-            for n, v in out.items():
-                v.index_copy_(0, relayed, received[n].to(v.dtype))
-        return out
+        return self._received(self._stacked(self.origin.tolist()), (self.origin != self.clients).nonzero().squeeze(1))
+
+    def _stacked(self, origins: list[int]) -> Params:
+        """[len(origins), ...]: the model this host keeps of each origin's candidate (`kept_model`), a new tensor."""
+        if all(o in self.row for o in origins):
+            rows = torch.tensor([self.row[o] for o in origins], device=self.origin.device)
+            return {n: v.index_select(0, rows) for n, v in self.local.items()}
+        chosen = [self.kept_model(o) for o in origins]
+        return {n: torch.stack([c[n] for c in chosen]) for n in self.local}
+
+    def _received(self, models: Params, rows: Tensor) -> Params:
+        """`models` with rows `rows` as a receiver holds them (the wire's rounding, idempotent), in place."""
+        if self.wire is not None and rows.numel():
+            received = self.wire({n: v.index_select(0, rows) for n, v in models.items()})
+            for n, v in models.items():
+                v.index_copy_(0, rows, received[n].to(v.dtype))
+        return models
 
     def offer(self, delivered: Tensor, score: Tensor, origin: Tensor, models: Mapping[str, Tensor],
               check: Callable[[Tensor, Params], Tensor] | None = None, sender: Tensor | None = None,
@@ -282,15 +287,9 @@ class SeedCandidates:
             if rows.numel() == 0:
                 break
             if check is not None:
-                kept = [self.kept_model(int(origin[p])) for p in pick.tolist()]
-                candidates = {n: torch.stack([m[n] for m in kept]) for n in self.local}
-                hosted = [i for i, p in enumerate(pick.tolist()) if int(origin[p]) in self.row]
-                if self.wire is not None and hosted:  # what the rows would hold: a hosted origin's model as received
-                    at = torch.tensor(hosted, device=score.device)
-                    received = self.wire({n: v.index_select(0, at) for n, v in candidates.items()})
-                    for n, v in candidates.items():
-                        v.index_copy_(0, at, received[n].to(v.dtype))
-                ok = check(rows, candidates)
+                held = self._received(self._stacked(origin[pick].tolist()), torch.arange(pick.shape[0],
+                                                                                         device=pick.device))
+                ok = check(rows, held)  # as the rows would hold them
                 if not bool(ok.all()):
                     refused_origins = origin[pick[~ok]]
                     delivered[rows[~ok]] &= origin.unsqueeze(0) != refused_origins.unsqueeze(1)
