@@ -444,12 +444,13 @@ class DFCA(Algorithm):
             score, origin = inbox.tensors["score"], inbox.tensors["origin"]
             refused = refused_candidates(score, origin, seeding.slot, self.ctx.cfg.seed, self.ctx.cfg.data.clients)
             self.refused["seed_score"] += int((inbox.delivered & refused).any(0).sum())
+            # how far each relay's sender is from its origin (core.seeding): a hosted origin's model is its local one
+            # whoever relays it, so only the others' are walked
             sender = inbox.sender.to(origin.device)
             elsewhere = torch.tensor([int(o) not in self.seeds.row for o in origin.tolist()], device=origin.device)
             if self._relay_hops is None or self._relay_hops.graph is not self.ctx.graph:
                 self._relay_hops = RelayHops(self.ctx.graph)
-            hops = self._relay_hops.hops(sender, origin, seeding.step + 1, elsewhere)  # a hosted origin's model
-            # is its local one whoever relays it: ranks and timing matter for the others only
+            hops = self._relay_hops.hops(sender, origin, seeding.step + 1, elsewhere)
             early = (sender != origin) & (hops > seeding.step)  # relayed before the origin's candidate could reach it
             self.refused["seed_early"] += int((inbox.delivered & early.unsqueeze(0)).any(0).sum())
             delivered = inbox.delivered & ~(refused | early).unsqueeze(0)
