@@ -451,7 +451,7 @@ class DFCA(Algorithm):
             if self._relay_hops is None or self._relay_hops.graph is not self.ctx.graph:
                 self._relay_hops = RelayHops(self.ctx.graph)
             hops = self._relay_hops.hops(sender, origin, seeding.step + 1, elsewhere)
-            early = (sender != origin) & (hops > seeding.step)  # relayed before the origin's candidate could reach it
+            early = hops > seeding.step  # relayed before the origin's candidate could reach it (first-hand: 0 hops)
             self.refused["seed_early"] += int((inbox.delivered & early.unsqueeze(0)).any(0).sum())
             delivered = inbox.delivered & ~(refused | early).unsqueeze(0)
             check = self.candidate_check

@@ -264,10 +264,7 @@ class SeedCandidates:
         senders = (sender if sender is not None else torch.arange(score.shape[0])).tolist()
         ranks = (rank if rank is not None else torch.full((score.shape[0],), FIRST_HAND)).tolist()
         # the copies that may be kept: of candidates hosted elsewhere, as good as the held one of a row they reached
-        m, s = delivered.shape
-        held_score, held_origin = self.score.unsqueeze(1).expand(m, s), self.origin.unsqueeze(1).expand(m, s)
-        at_least = beats(score.unsqueeze(0).expand(m, s), origin.unsqueeze(0).expand(m, s), held_score, held_origin) | (
-            (score.unsqueeze(0) == held_score) & (origin.unsqueeze(0) == held_origin))
+        at_least = ~beats(self.score.unsqueeze(1), self.origin.unsqueeze(1), score.unsqueeze(0), origin.unsqueeze(0))
         reached = (delivered & at_least).any(0).nonzero().squeeze(1).tolist()
         fresh = [a for a in reached if int(origin[a]) not in self.row]
         for a in fresh:
