@@ -135,3 +135,14 @@ def test_two_different_bodies_for_one_message_are_equivocation(proven: bool) -> 
     assert gate.proven is proven  # the driver cuts the sender off only where its key is proven its own
     gate.end_round(6)
     assert gate.equivocation((3, 4, "models", 0, 0), "c" * 64) is None  # forgotten: round 4 is stale at round 6
+
+
+def test_a_repeat_published_again_after_a_new_connection_is_let_off_once_per_message_until_its_round_is_stale() -> None:
+    gate = worker_0()
+    assert gate.resent((3, 4, "gossip", 1, 0))  # the first copy published again: let off
+    assert not gate.resent((3, 4, "gossip", 1, 0))  # a second one counts
+    assert gate.resent((3, 4, "gossip", 2, 0))  # another step is another message
+    gate.end_round(5)
+    assert not gate.resent((3, 4, "gossip", 1, 0))  # round 4 is still near at round 5
+    gate.end_round(6)
+    assert gate.resent((3, 4, "gossip", 1, 0))  # forgotten with its round

@@ -19,7 +19,7 @@ from dfca.graph import neighbours
 from dfca.identity import topics
 from dfca.runtime.driver import admission, decoding, driver_stats, folding
 from dfca.runtime.driver.delivery import Placed
-from dfca.runtime.driver.host_transport import HostTransport
+from dfca.runtime.driver.host_transport import REPUBLISHED_HEADER, HostTransport
 from dfca.runtime.driver.message_driver import MessageDriver
 from dfca.simulator import prepare, simulate
 from dfca.transport import InMemoryBroker, InMemoryTransport, Message
@@ -240,6 +240,34 @@ def test_a_proven_sender_flooding_copies_of_a_valid_message_is_cut_off(proven: b
             a.handle(msg)
     assert a.stats.duplicates >= admission.BLOCK_AFTER_INVALID - 1 or peer in a.blocked
     assert (peer in a.blocked) == proven and a.stats.rejected.total() == 0
+
+
+def test_a_repeat_published_again_after_a_new_connection_is_let_off_once_per_message() -> None:
+    """A sender's host publishes its kept models again after its connection to the broker was opened anew (marked
+    REPUBLISHED_HEADER): a receiver that used one already counts the copy as a duplicate, not against the sender.
+    Only once per message: a flood of copies so marked still cuts a proven sender off."""
+    a, peer, forger = worker_0_and_forger(proven=True)
+    shapes = a.algorithm.ctx.model.shapes()
+    envelope = Envelope("robust", peer, 0, "models", 0, 0, {n: torch.zeros(s) for n, s in shapes.items()})
+    body, headers = encode_message(envelope, {n: TensorSpec(s) for n, s in shapes.items()})
+    key = topics.model_key("robust", "worker-1", peer, 0)
+
+    def send(marked: bool) -> None:
+        forger.publish(topics.MODELS_EXCHANGE, key, body, {**headers, **({REPUBLISHED_HEADER: "2"} if marked else {})})
+        while (msg := a.transport.receive(a.queue, 0.0)) is not None:
+            a.handle(msg)
+
+    a.begin_round(0)
+    a.start_exchange(0)
+    send(marked=False)  # used
+    send(marked=True)  # published again after a broker restart: a duplicate (for each row hearing it), let off
+    rows = len(a.hearing.rows_of[peer])
+    assert a.stats.duplicates == rows and a.admission.invalid[peer] == 0 and peer not in a.blocked
+    send(marked=False)  # an unmarked repeat counts, as before
+    assert a.stats.duplicates == 2 * rows and a.admission.invalid[peer] == 1
+    for _ in range(admission.BLOCK_AFTER_INVALID):  # marked copies of a message let off once count from then on
+        send(marked=True)
+    assert peer in a.blocked and a.stats.rejected.total() == 0
 
 
 def test_a_message_redelivered_after_a_restart_is_a_duplicate_not_merged_again(tmp_path: Any) -> None:
@@ -541,8 +569,8 @@ class CountedConfirms(InMemoryTransport):
         super().__init__(broker)
         self.pipelined, self.awaited_at_once, self.confirmed = 0, 0, []  # type: ignore[var-annotated]
 
-    def publish_pipelined(self, messages: Any) -> None:
-        super().publish_pipelined(messages)
+    def publish_pipelined(self, messages: Any, persistent: bool = True) -> None:
+        super().publish_pipelined(messages, persistent)
         self.pipelined += len(messages)
 
     def await_confirms(self) -> None:

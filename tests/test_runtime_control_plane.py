@@ -394,7 +394,7 @@ class ConfirmLog(InMemoryTransport):
         super().__init__(broker)
         self.calls: list[str] = []
 
-    def publish_pipelined(self, messages: Any) -> None:
+    def publish_pipelined(self, messages: Any, persistent: bool = True) -> None:
         self.calls.append("pipelined")
         InMemoryTransport.publish_many(self, messages)
 

@@ -299,3 +299,31 @@ def test_a_batch_its_handler_cannot_take_is_handled_again_one_by_one() -> None:
     assert handled == [4, 5]  # the failed batch again one by one: 3 set aside, 4 stored; then 5
     assert consumer.handled == 4 and consumer.rejected == 1
     assert transport.receive("q", 0.0) is None  # each settled: acked or dead-lettered
+
+
+def test_documents_that_come_a_little_apart_share_a_batch_within_the_linger() -> None:
+    """A round's reports come from each worker a few ms apart: with `linger` the consumer waits for the next one
+    before handling what it has, so they go to `handle_many` (one store transaction) together."""
+    transport = InMemoryTransport()
+    transport.declare_exchange(topics.METRICS_EXCHANGE)
+    transport.declare_queue("q")
+    transport.bind("q", topics.METRICS_EXCHANGE, "#")
+    batches: list[list[int]] = []
+
+    def handle_many(documents: list[int]) -> list[Exception | None]:
+        batches.append(documents)
+        return [None] * len(documents)
+
+    consumer = QueueConsumer(transport, "q", json.loads, batches.append, lambda _d: "metrics",
+                             handle_many=handle_many, batch=10, linger=1.0)
+
+    def publish_apart() -> None:
+        for document in (1, 2, 3):
+            transport.publish(topics.METRICS_EXCHANGE, "k", json.dumps(document).encode())
+            time.sleep(0.05)
+
+    publisher = threading.Thread(target=publish_apart)
+    publisher.start()
+    assert consumer.poll(5.0) == 3
+    publisher.join()
+    assert batches == [[1, 2, 3]] and consumer.handled == 3

@@ -268,6 +268,14 @@ def test_survives_a_broker_restart(private_rabbitmq: RabbitMQNode, unique_id: st
 
         publish(range(10))
         held = [must_receive(transport, queue) for _ in range(3)]  # unacknowledged across the restart
+        # a queue no consumer reads yet: a persistent message outlives the restart, one in memory only does not
+        unread, unread_key = topics.worker_queue(unique_id + "u", W0), topics.model_key(unique_id + "u", W0, 0, 0)
+        transport.declare_queue(unread)
+        transport.bind(unread, topics.MODELS_EXCHANGE, unread_key)
+        for body, persistent in ((b"persistent", True), (b"in memory", False)):
+            transport.publish_pipelined([(topics.MODELS_EXCHANGE, unread_key, body, None)], persistent=persistent)
+        transport.await_confirms()
+        assert transport.connections == 1
 
         node.stop()
         errors: list[BaseException] = []
@@ -290,6 +298,8 @@ def test_survives_a_broker_restart(private_rabbitmq: RabbitMQNode, unique_id: st
         assert sorted(got) == list(range(20))
         assert all(got[int(m.body)].redelivered for m in held)
         assert transport.receive(queue, 0.5) is None
+        assert transport.connections == 2  # a publisher can tell that what it kept in memory may be lost
+        assert must_receive(transport, unread).body == b"persistent" and transport.receive(unread, 0.5) is None
     finally:
         impatient.close()
         transport.close()

@@ -55,6 +55,7 @@ from dfca.transport import Transport, connect_transport
 log = logging.getLogger(__name__)
 DEAD_LETTER_BATCH = 500
 EVENT_BATCH = 100  # events stored in one transaction, of those there at once (3 workers' round reports: 1-3)
+EVENT_LINGER_S = 0.05  # how long a batch waits for the next event: a round's reports of every worker, one commit
 MAX_STREAMS_PER_CLIENT = 8  # open /events streams per client address; 429 beyond
 MAX_STREAMS = 64
 
@@ -70,7 +71,7 @@ class MetricsCollector:
         self.events = events_queue(deployment, "metrics")
         self.dead_letters = dead_letter_tap_queue(deployment)
         self.consumer = QueueConsumer(transport, self.events, decode_event, self.on_event, event_principal,
-                                      handle_many=self.on_events, batch=EVENT_BATCH)
+                                      handle_many=self.on_events, batch=EVENT_BATCH, linger=EVENT_LINGER_S)
         self._configs: dict[str, ExperimentConfig] = {}  # of the experiments seen: round reports are checked on them
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="metrics-consumer", daemon=True)

@@ -97,9 +97,11 @@ class Transport(ABC):
     - Fanout exchanges ignore the routing key.
     - Every published message carries the transport's `user` as its publisher (`Message.publisher`), and
       the broker refuses to let one user publish as another.
+    - Messages are persistent (they outlive a broker restart) unless published with `persistent=False`.
     """
 
     user: str = ""  # the broker user this transport connected as
+    connections: int = 1  # connections opened so far; more than one: the broker may have lost what was not persistent
 
     @abstractmethod
     def declare_exchange(self, name: str, kind: str = "topic") -> None: ...
@@ -128,9 +130,11 @@ class Transport(ABC):
         for exchange, routing_key, body, headers in messages:
             self.publish(exchange, routing_key, body, headers)
 
-    def publish_pipelined(self, messages: Sequence[Outgoing]) -> None:
+    def publish_pipelined(self, messages: Sequence[Outgoing], persistent: bool = True) -> None:
         """Hand `messages` over in order without awaiting the broker's confirms (`await_confirms` does): the
-        publisher goes on while they travel. This one publishes them at once, leaving nothing to await."""
+        publisher goes on while they travel. Not `persistent`: the broker keeps them in memory only, so a broker
+        that restarts before they are consumed loses them (`connections` then grows: the publisher sends them
+        again if they still matter). This one publishes them at once, leaving nothing to await."""
         self.publish_many(messages)
 
     def await_confirms(self) -> None:

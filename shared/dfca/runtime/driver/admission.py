@@ -8,7 +8,8 @@ Admission decides, the driver acts (acknowledges, rejects, unbinds); nothing her
   driver delivered itself) is acknowledged unread;
 - cut-off: where publishers are proven, a sender under whose key BLOCK_AFTER_INVALID malformed messages, or as many
   repeats of messages already used, came in one round is `blocked` for the rest of the run (the broker's own
-  redeliveries do not count; without proven publishers anyone could frame an honest client, so nobody is);
+  redeliveries do not count, nor, once per message, a copy its host published again after a new connection to the
+  broker, `resent`; without proven publishers anyone could frame an honest client, so nobody is);
 - near rounds: a model is let in only once its round is near: at most NEAR_ROUNDS after the furthest round the run
   has reached as the receiver knows it (its own round, and the rounds of messages let in from every *other* host
   than the sender's), and never more than MAX_ROUNDS_AHEAD after its own round (`future_round`). A host cannot
@@ -87,6 +88,7 @@ class Admission:
         self.blocked: set[int] = set()  # senders cut off for the rest of the run
         self.reached: dict[str, int] = {}  # host -> the furthest round of a model let in from it
         self.bodies = BodyLedger()
+        self.forgiven: set[MessageIdentity] = set()  # messages whose repeat was let off as published again
 
     def host_of(self, sender: int) -> str:
         """The principal hosting `sender`."""
@@ -140,9 +142,19 @@ class Admission:
         return Refusal("equivocation", f"client {identity[0]} sent two different bodies for round {identity[1]} "
                                        f"{identity[2]} step {identity[3]} part {identity[4]}")
 
+    def resent(self, identity: MessageIdentity) -> bool:
+        """A repeat of `identity` that its sender's host says it published again after a new connection to the broker
+        (which may have restarted and lost it) does not count against the sender, as the broker's redelivery does
+        not: True the first time for each message, False after (a flood of such copies counts)."""
+        if identity in self.forgiven:
+            return False
+        self.forgiven.add(identity)
+        return True
+
     def end_round(self, current_round: int) -> None:
         """Bodies of rounds before `current_round` - 1 are forgotten (their messages are stale anyway)."""
         self.bodies.forget_before(current_round - 1)
+        self.forgiven = {i for i in self.forgiven if i[1] >= current_round - 1}
 
     @property
     def proven(self) -> bool:

@@ -1,6 +1,6 @@
 """The transport a worker's message driver talks through: a thin wrapper over any `Transport`.
 
-It adds three things the round loop needs, without touching the driver:
+It adds four things the round loop needs, without touching the driver:
 - acks are deferred: the runner takes a round's (`take_acks()`) and sends them (`ack_now`) once the
   round's checkpoint is on disk. A worker killed mid-round loses no neighbour model: the broker redelivers the
   unacknowledged ones to the restarted worker, which resumes from that checkpoint.
@@ -8,10 +8,18 @@ It adds three things the round loop needs, without touching the driver:
 - published messages carry a `sent_at` header; deliveries measure the lag from it.
 - `interrupt()` makes the next `receive` raise `RunInterrupted`, so a stop never waits for a
   round timeout.
+- models are published in the broker's memory only (not persistent: RabbitMQ writes no copy of each to disk,
+  about a third of its CPU on the runtime benchmark's config), and the models of the sender's last
+  RETAINED_ROUNDS rounds are kept: when the connection had to be opened again (the broker may have restarted and
+  lost them), they are published again, marked REPUBLISHED_HEADER. A neighbour is at most a round behind the
+  sender while it still needs its models (it waits for them); a receiver that used a model already drops the copy
+  (a repeat marked so does not count against its sender, once per message: runtime.driver.admission). A round
+  whose models would take the kept ones past RETAINED_BYTES is published persistent instead, and not kept.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +29,11 @@ from dfca.transport import Message, QueueLimits, Transport
 from dfca.transport.base import Outgoing
 
 SENT_AT_HEADER = "sent_at"
+REPUBLISHED_HEADER = "republished"  # on a model published again after a new connection: that connection's number
+RETAINED_ROUNDS = 2  # the sender's rounds whose models are published again after a new connection
+RETAINED_BYTES = 256 << 20  # at most this many bytes of models kept for that; beyond, models are persistent
+
+log = logging.getLogger(__name__)
 
 
 class RunInterrupted(Exception):
@@ -36,6 +49,10 @@ class HostTransport(Transport):
         self.lag_total = 0.0
         self.lag_count = 0
         self.bytes_published = 0
+        self.republished = 0  # models published again after a new connection
+        self._retained: dict[int, list[Outgoing]] = {}  # round -> its models as published (stamped)
+        self._retained_bytes = 0
+        self._connections = inner.connections
 
     # -- the additions ---------------------------------------------------------------------------
     def flush_acks(self) -> int:
@@ -101,8 +118,42 @@ class HostTransport(Transport):
     def publish_many(self, messages: Sequence[Outgoing]) -> None:
         self.inner.publish_many(self._stamped(messages))
 
-    def publish_pipelined(self, messages: Sequence[Outgoing]) -> None:
-        self.inner.publish_pipelined(self._stamped(messages))
+    def publish_pipelined(self, messages: Sequence[Outgoing], persistent: bool = True) -> None:
+        """Models are published not persistent and kept to be published again after a new connection (see the
+        module's docstring) where the batch is all models and fits RETAINED_BYTES; anything else as asked."""
+        self._republish_if_reconnected()
+        stamped = self._stamped(messages)
+        self.inner.publish_pipelined(stamped, persistent=persistent and not self._retain(stamped))
+
+    def _retain(self, messages: list[Outgoing]) -> bool:
+        """Keep `messages` (True) where each is a model of a round and they fit beside the models of the last
+        RETAINED_ROUNDS rounds; older rounds' models are let go."""
+        rounds = [round_of(exchange, headers) for exchange, _, _, headers in messages]
+        if not messages or any(r is None for r in rounds):
+            return False
+        newest = max(r for r in [*rounds, *self._retained] if r is not None)
+        for old in [r for r in self._retained if r <= newest - RETAINED_ROUNDS]:
+            self._retained_bytes -= sum(len(body) for _, _, body, _ in self._retained.pop(old))
+        size = sum(len(body) for _, _, body, _ in messages)
+        if self._retained_bytes + size > RETAINED_BYTES:
+            return False
+        for message, r in zip(messages, rounds, strict=True):
+            self._retained.setdefault(int(r or 0), []).append(message)
+        self._retained_bytes += size
+        return True
+
+    def _republish_if_reconnected(self) -> None:
+        """After a new connection, the kept models once more, marked REPUBLISHED_HEADER."""
+        if (connections := self.inner.connections) == self._connections:
+            return
+        self._connections = connections
+        again = [(exchange, key, body, {**(headers or {}), REPUBLISHED_HEADER: str(connections)})
+                 for kept in self._retained.values() for exchange, key, body, headers in kept]
+        if again:
+            log.warning("connection %d: publishing the %d models of rounds %s again (a restarted broker lost what "
+                        "it held in memory)", connections, len(again), sorted(self._retained))
+            self.inner.publish_pipelined(again, persistent=False)
+            self.republished += len(again)
 
     def await_confirms(self) -> None:
         self.inner.await_confirms()
@@ -120,6 +171,7 @@ class HostTransport(Transport):
     def receive(self, queue: str, timeout: float = 0.0) -> Message | None:
         if self._interrupted.is_set():
             raise RunInterrupted
+        self._republish_if_reconnected()
         message = self.inner.receive(queue, timeout)
         if message is not None:
             self._note(message)
@@ -128,6 +180,7 @@ class HostTransport(Transport):
     def receive_any(self, queues: Sequence[str], timeout: float = 0.0) -> tuple[int, Message] | None:
         if self._interrupted.is_set():
             raise RunInterrupted
+        self._republish_if_reconnected()
         got = self.inner.receive_any(queues, timeout)
         if got is not None:
             self._note(got[1])
@@ -143,3 +196,13 @@ class HostTransport(Transport):
         """Close the connection; deferred acks are dropped, so the broker redelivers those messages."""
         self._pending_acks.clear()
         self.inner.close()
+
+
+def round_of(exchange: str, headers: Mapping[str, str] | None) -> int | None:
+    """The round a published model names in its headers; None for anything else."""
+    if exchange != topics.MODELS_EXCHANGE or headers is None:
+        return None
+    try:
+        return int(headers["round"])
+    except (KeyError, ValueError):
+        return None

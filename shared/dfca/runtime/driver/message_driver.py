@@ -26,7 +26,7 @@ from dfca.runtime.driver.delivery import Delivery, Placed, Unsettled
 from dfca.runtime.driver.driver_stats import DriverStats, RejectionLog
 from dfca.runtime.driver.folding import FOLD_BATCH, WHOLE, Folder, Ready
 from dfca.runtime.driver.hearing import Hearing
-from dfca.runtime.driver.host_transport import RunInterrupted
+from dfca.runtime.driver.host_transport import REPUBLISHED_HEADER, RunInterrupted
 from dfca.runtime.driver.ledger import Ledger, Placement
 from dfca.runtime.driver.liveness import NeighbourLiveness
 from dfca.runtime.driver.outbox import encode_outbox
@@ -328,7 +328,7 @@ class MessageDriver:
         if placement is Placement.DUPLICATE:
             self.stats.duplicates += 1
             self._settle(delivery)
-            if delivery.message is not None and delivery.fanout.first_repeat():
+            if delivery.message is not None and delivery.fanout.first_repeat() and not self._resent(delivery):
                 self._count_invalid(delivery.message)
         elif placement is Placement.OPEN and self.cfg.aggregation == "batch" and placed.exchange.averaged:
             self.batch.append(delivery)
@@ -338,6 +338,13 @@ class MessageDriver:
         elif placement is Placement.DROPPED:
             self.stats.stale_dropped += 1
             self._settle(delivery)
+
+    def _resent(self, delivery: Delivery) -> bool:
+        """A repeat its sender's host published again after a new connection (HostTransport), let off once."""
+        assert delivery.message is not None
+        e = delivery.placed.envelope
+        return (REPUBLISHED_HEADER in delivery.message.headers
+                and self.admission.resent((e.sender, e.round, e.exchange, e.step, e.part)))
 
     def _fold(self, deliveries: list[Delivery] | None = None) -> None:
         """Fold `deliveries`, by default what is ready (runtime.driver.folding)."""

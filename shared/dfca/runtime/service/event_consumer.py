@@ -22,13 +22,16 @@ class QueueConsumer:
     def __init__(self, transport: Transport, queue: str, decode: Callable[[bytes], Any],
                  handle: Callable[[Any], None], principal: Callable[[Any], str],
                  handle_many: Callable[[list[Any]], list[Exception | None]] | None = None,
-                 batch: int = 1) -> None:
+                 batch: int = 1, linger: float = 0.0) -> None:
         """`principal(document)`: the principal that may publish `document`. `handle_many(documents)`, with `batch`
         > 1: up to `batch` documents that are there at once, handled together (one store transaction), returning
-        each one's refusal or None; if it raises, each is handled again on its own by `handle`."""
+        each one's refusal or None; if it raises, each is handled again on its own by `handle`. `linger`: after a
+        message, wait this long for the next one before handling a batch that is not full (documents that come a
+        few ms apart, as a round's reports of several workers do, then share a transaction)."""
         self.transport, self.queue, self.decode, self.handle = transport, queue, decode, handle
         self.principal = principal
         self.handle_many, self.batch = handle_many, batch if handle_many is not None else 1
+        self.linger = linger if self.batch > 1 else 0.0
         self.publishers = PublisherCheck(transport.user)
         self.rejected = 0
         self.forged = 0  # of the rejected: published by another principal than the document's own
@@ -40,7 +43,7 @@ class QueueConsumer:
         wait = timeout
         taken: list[tuple[Message, Any]] = []
         while (message := self.transport.receive(self.queue, wait)) is not None:
-            wait = 0.0
+            wait = self.linger
             count += 1
             if (document := self._checked(message)) is not None:
                 taken.append((message, document))
