@@ -79,9 +79,9 @@ def test_the_cores_bound_is_the_runtimes_cpu_spread_over_the_cores_and_the_goals
     bound = cores_bound(runtime_cpu=0.273, drivers_cpu=0.100, simulator_round=0.029, cores=2)
     assert bound.least_round == pytest.approx(0.1365)
     assert bound.least_ratio == pytest.approx(0.1365 / 0.029)
-    assert bound.budget == pytest.approx(1.25 * 0.029 * 2)
-    assert bound.drivers_share == pytest.approx(0.100 / 0.0725)
-    # 16 cores: the same CPU would allow 0.59x, and the drivers would use 17% of the budget
+    assert bound.budget == pytest.approx(2.5 * 0.029 * 2)
+    assert bound.drivers_share == pytest.approx(0.100 / 0.145)
+    # 16 cores: the same CPU would allow 0.59x, and the drivers would use 9% of the budget
     wide = cores_bound(runtime_cpu=0.273, drivers_cpu=0.100, simulator_round=0.029, cores=16)
     assert wide.least_ratio == pytest.approx(0.273 / 16 / 0.029)
-    assert wide.drivers_share == pytest.approx(0.1724, abs=1e-4)  # 0.100 / (1.25 x 0.029 x 16)
+    assert wide.drivers_share == pytest.approx(0.0862, abs=1e-4)  # 0.100 / (2.5 x 0.029 x 16)
