@@ -30,6 +30,7 @@ from enum import Enum
 
 from dfca.algorithms.base import SERVER
 from dfca.identity import principals, topics
+from dfca.wire.codec import Envelope
 
 # A live neighbour is a round or two ahead at most (it waits for this client's messages, or a deadline, in every
 # exchange), but one that presumed this client dead (a restarted worker) runs on: its messages are held for when
@@ -178,6 +179,11 @@ class Admission:
 
 
 MessageIdentity = tuple[int, int, str, int, int]  # sender, round, exchange, step, part
+
+
+def identity_of(envelope: Envelope) -> MessageIdentity:
+    """A message's identity: one honest body each."""
+    return envelope.sender, envelope.round, envelope.exchange, envelope.step, envelope.part
 
 
 @dataclass

@@ -128,17 +128,17 @@ class HostTransport(Transport):
     def _retain(self, messages: list[Outgoing]) -> bool:
         """Keep `messages` (True) where each is a model of a round and they fit beside the models of the last
         RETAINED_ROUNDS rounds; older rounds' models are let go."""
-        rounds = [round_of(exchange, headers) for exchange, _, _, headers in messages]
-        if not messages or any(r is None for r in rounds):
+        rounds = [r for exchange, _, _, headers in messages if (r := round_of(exchange, headers)) is not None]
+        if not messages or len(rounds) < len(messages):
             return False
-        newest = max(r for r in [*rounds, *self._retained] if r is not None)
+        newest = max([*rounds, *self._retained])
         for old in [r for r in self._retained if r <= newest - RETAINED_ROUNDS]:
             self._retained_bytes -= sum(len(body) for _, _, body, _ in self._retained.pop(old))
         size = sum(len(body) for _, _, body, _ in messages)
         if self._retained_bytes + size > RETAINED_BYTES:
             return False
         for message, r in zip(messages, rounds, strict=True):
-            self._retained.setdefault(int(r or 0), []).append(message)
+            self._retained.setdefault(r, []).append(message)
         self._retained_bytes += size
         return True
 

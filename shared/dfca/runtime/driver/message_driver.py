@@ -18,7 +18,7 @@ from typing import Any
 from dfca.algorithms import Algorithm, Exchange
 from dfca.algorithms.base import SERVER, Graph, report_of
 from dfca.identity import topics
-from dfca.runtime.driver.admission import Admission, Refusal, Screening
+from dfca.runtime.driver.admission import Admission, Refusal, Screening, identity_of
 from dfca.runtime.driver.bindings import QueueBindings
 from dfca.runtime.driver.checkpoints import Checkpoint, driver_checkpoint, read_driver_checkpoint
 from dfca.runtime.driver.decoding import decode_placed
@@ -282,8 +282,7 @@ class MessageDriver:
         elif (refusal := self.admission.admit_round(envelope.sender, envelope.round, self.round)) is not None:
             self._reject(message, refusal.reason, refusal.detail)
         elif (refusal := self.admission.equivocation(
-                (envelope.sender, envelope.round, envelope.exchange, envelope.step, envelope.part),
-                message.headers.get("sha256") or sha256(message.body))) is not None:
+                identity_of(envelope), message.headers.get("sha256") or sha256(message.body))) is not None:
             self._reject(message, refusal.reason, refusal.detail)
             if self.admission.proven and envelope.sender not in self.blocked:
                 self.block(envelope.sender, "sent two different bodies for one message")
@@ -342,9 +341,8 @@ class MessageDriver:
     def _resent(self, delivery: Delivery) -> bool:
         """A repeat its sender's host published again after a new connection (HostTransport), let off once."""
         assert delivery.message is not None
-        e = delivery.placed.envelope
         return (REPUBLISHED_HEADER in delivery.message.headers
-                and self.admission.resent((e.sender, e.round, e.exchange, e.step, e.part)))
+                and self.admission.resent(identity_of(delivery.placed.envelope)))
 
     def _fold(self, deliveries: list[Delivery] | None = None) -> None:
         """Fold `deliveries`, by default what is ready (runtime.driver.folding)."""
