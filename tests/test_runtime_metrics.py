@@ -57,7 +57,7 @@ def store(tmp_path: Path) -> MetricsStore:
     collector.on_event(report(0, 2, rejected={"spoofed": 2}))  # redelivered: stored once
     collector.on_event(WorkerEvent(deployment="d", experiment="m1", worker=1, incarnation="b", state="resumed",
                                    round=1, resumed_from=1, device="cuda:0 (NVIDIA H100 80GB HBM3)"))
-    collector.on_event(report(1, 2, incarnation="b"))
+    collector.on_event(report(1, 2, incarnation="b", republished=4))  # after a broker restart
     collector.on_event(ExperimentEvent(deployment="d", experiment="m1", status="completed", config=CFG, at=1010.0))
     store.record_dead_letter("m1", "dfca.models", "m1.3.0")
     return store
@@ -78,7 +78,7 @@ def test_the_summary_has_summary_json_fields_and_runtime_counts(store: MetricsSt
     messages = summary["messages"]
     # worker 1's first incarnation counted to round 1, its second from scratch: totals add up per incarnation
     assert messages["applied"] == 6 + 3 + 6 and messages["rejected"] == {"spoofed": 2}
-    assert messages["dead_lettered"] == 1
+    assert messages["dead_lettered"] == 1 and messages["republished"] == 4
     assert summary["worker_restarts"] == {} and summary["resumed_from"] == {"1": 1}
     assert summary["devices"] == {"1": "cuda:0 (NVIDIA H100 80GB HBM3)"}  # worker 0 sent no state with one
 
@@ -143,6 +143,7 @@ def test_history_sse_and_prometheus(store: MetricsStore) -> None:
     assert samples[("dfca_messages_rejected_total", (("experiment", "m1"), ("reason", "spoofed")))] == 2.0
     assert samples[("dfca_messages_dead_lettered_total", m1)] == 1.0
     assert samples[("dfca_messages_applied_total", m1)] == 15.0
+    assert samples[("dfca_messages_republished_total", m1)] == 4.0
     assert samples[("dfca_cluster_accuracy", (("cluster", "1"), ("experiment", "m1")))] == pytest.approx(0.9)
     assert samples[("dfca_experiment_status", (("experiment", "m1"), ("status", "completed")))] == 1.0
     # where each worker's round loop went, summed over its incarnations (worker 1: "a" ran round 1, "b" round 2)

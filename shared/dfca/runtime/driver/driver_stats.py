@@ -38,6 +38,7 @@ class DriverStats:
     timeouts: int = 0  # exchanges closed by their deadline
     screened: int = 0  # (gossip arrival, cluster) pairs screened gossip dropped
     blocked: int = 0  # senders cut off for flooding malformed messages
+    republished: int = 0  # models the host published again after a new connection (a restarted broker lost them)
     rejected: Counter[str] = field(default_factory=Counter)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # per phase, see PHASES
     cpu_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*PHASES, "loop"), 0.0))

@@ -1,7 +1,7 @@
 """Prometheus metrics of the metrics service, computed from the store at scrape time.
 
 dfca_experiment_round, dfca_worker_round, dfca_messages_{published,applied,duplicate,stale_dropped,
-not_neighbour}_total, dfca_messages_rejected_total{reason}, dfca_messages_dead_lettered_total,
+not_neighbour,republished}_total, dfca_messages_rejected_total{reason}, dfca_messages_dead_lettered_total,
 dfca_gossip_screened_total, dfca_client_bytes_sent_total (what the clients sent, each message counted once per
 receiver with its headers and routing key: the simulator's `bytes_sent_per_client_per_round` x rounds x clients),
 dfca_round_timeouts_total, dfca_message_lag_seconds, dfca_test_accuracy, dfca_cluster_ari,
@@ -43,6 +43,8 @@ class RuntimeCollector(Collector):
             "stale_dropped": CounterMetricFamily("dfca_messages_stale_dropped", "Late models dropped", labels=label),
             "not_neighbour": CounterMetricFamily("dfca_messages_not_neighbour", "Models from non-neighbours ignored",
                                                  labels=label),
+            "republished": CounterMetricFamily("dfca_messages_republished", "Models published again after a new "
+                                               "connection to the broker (a restart lost them)", labels=label),
             "screened": CounterMetricFamily("dfca_gossip_screened", "Gossip estimates dropped by screened gossip "
                                             "(dfca.screen), per arrival and cluster", labels=label),
             "rejected": CounterMetricFamily("dfca_messages_rejected", "Malformed or spoofed models rejected",
@@ -86,7 +88,7 @@ class RuntimeCollector(Collector):
         reports = self.store.reports(experiment_id)
         totals = message_totals(reports, dead.get(experiment_id, 0))
         for key in ("published", "applied", "duplicates", "stale_dropped", "not_neighbour", "timeouts",
-                    "dead_lettered", "screened"):
+                    "dead_lettered", "screened", "republished"):
             families[key].add_metric([experiment_id], float(totals[key]))
         for reason, count in totals["rejected"].items():
             families["rejected"].add_metric([experiment_id, reason], float(count))

@@ -42,6 +42,7 @@ COUNTED_STATS = (
     "screened",
     "timeouts",
     "blocked",
+    "republished",
 )
 
 

@@ -353,6 +353,7 @@ class ClientRunner:
             report = driver.report() if evaluate else None
             now = time.thread_time()  # (the last round's report was sent after its reading: counted here)
             driver.stats.cpu_seconds["loop"] += now - cpu
+            driver.stats.republished = transport.republished
             cpu = now
             self.emit(RoundReport(
                 deployment=self.spec.deployment, experiment=self.spec.experiment, worker=self.spec.ordinal,

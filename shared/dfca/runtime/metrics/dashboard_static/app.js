@@ -445,7 +445,7 @@ function workersTable(table, states, schedule) {
 
 function messagesTable(table, messages) {
   const rows = [];
-  for (const key of ["published", "applied", "ignored", "duplicates", "stale_dropped", "stale_merged", "timeouts", "dead_lettered", "screened"]) {
+  for (const key of ["published", "applied", "ignored", "duplicates", "stale_dropped", "stale_merged", "timeouts", "dead_lettered", "screened", "republished"]) {
     if (messages[key] !== undefined) rows.push([key.replace("_", " "), messages[key]]);
   }
   for (const [reason, count] of Object.entries(messages.rejected || {})) rows.push([`rejected: ${reason}`, count]);
