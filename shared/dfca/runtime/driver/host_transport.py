@@ -51,7 +51,6 @@ class HostTransport(Transport):
         self.bytes_published = 0
         self.republished = 0  # models published again after a new connection
         self._retained: dict[int, list[Outgoing]] = {}  # round -> its models as published (stamped)
-        self._retained_bytes = 0
         self._connections = inner.connections
 
     # -- the additions ---------------------------------------------------------------------------
@@ -133,13 +132,12 @@ class HostTransport(Transport):
             return False
         newest = max([*rounds, *self._retained])
         for old in [r for r in self._retained if r <= newest - RETAINED_ROUNDS]:
-            self._retained_bytes -= sum(len(body) for _, _, body, _ in self._retained.pop(old))
-        size = sum(len(body) for _, _, body, _ in messages)
-        if self._retained_bytes + size > RETAINED_BYTES:
+            del self._retained[old]
+        kept = sum(len(body) for round_ in self._retained.values() for _, _, body, _ in round_)
+        if kept + sum(len(body) for _, _, body, _ in messages) > RETAINED_BYTES:
             return False
         for message, r in zip(messages, rounds, strict=True):
             self._retained.setdefault(r, []).append(message)
-        self._retained_bytes += size
         return True
 
     def _republish_if_reconnected(self) -> None:
