@@ -9,7 +9,7 @@ MLP (k=2 clusters, 8-bit codes, the default payload dtype):
   them for the fold (`wire.stacked`, as the driver's inbox does) in both;
 each the median of `--repeats` timings of `--loops` calls, alternating the two ways; and stacking and dequantizing
 alone, the inbox `stacked` builds from the 16 payloads decoded one at a time (each message's codes stacked again)
-against those decoded together (the batch's rows taken at once); the checksum's sha256 alone is timed beside them
+against those decoded together (the batch's rows taken at once); the checksum (BLAKE3) alone is timed beside them
 (the part of a message's cost no batch shares). Both ways must give the same bytes and values, or
 the run fails. Appends one line per case, with the commit and the machine's load, to --out.
 
@@ -37,10 +37,10 @@ from dfca.wire.batches import decode_messages, encode_rows
 from dfca.wire.codec import (
     Envelope,
     TensorSpec,
+    checksum,
     decode_message,
     encode_message,
     quantize_rows,
-    sha256,
     stacked,
 )
 
@@ -114,12 +114,12 @@ def measure(case: str, rows: int, repeats: int, loops: int) -> dict[str, Any]:
                      "together": lambda: [stacked([e.tensors for e in decoded_together], n) for n in spec]},
                     repeats, loops)
     body = arrived[0][1]
-    checksum = timings({"sha256": lambda: [sha256(b) for _, b, _ in arrived]}, repeats, loops)["sha256"]
+    hashed = timings({"checksum": lambda: [checksum(b) for _, b, _ in arrived]}, repeats, loops)["checksum"]
     return {"case": case, "hidden": HIDDEN[case], "body_bytes": len(body), "rows": rows, "arrivals": ARRIVALS,
             "encode_seconds_per_message": {k: v / rows for k, v in encode.items()},
             "decode_seconds_per_message": {k: v / ARRIVALS for k, v in decode.items()},
             "stack_seconds_per_message": {k: v / ARRIVALS for k, v in stack.items()},
-            "sha256_seconds_per_message": checksum / ARRIVALS}
+            "checksum_seconds_per_message": hashed / ARRIVALS}
 
 
 def main() -> None:
@@ -137,14 +137,14 @@ def main() -> None:
     print(f"microseconds per message, medians of {args.repeats} x {args.loops} calls, one thread; 8-bit gossip "
           f"payloads, k={K}; an outbox of {args.rows} encoded, {ARRIVALS} arrivals decoded, stacked and dequantized:\n")
     print("| case | body | encode: one at a time | together | ratio | decode: one at a time | together | ratio | "
-          "of which stacking: one at a time | together | ratio | sha256 alone |")
+          "of which stacking: one at a time | together | ratio | checksum alone |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         e, d, st = r["encode_seconds_per_message"], r["decode_seconds_per_message"], r["stack_seconds_per_message"]
         print(f"| {r['case']} | {r['body_bytes'] / 1e3:.0f} kB | {e['alone'] * 1e6:.0f} | {e['together'] * 1e6:.0f} | "
               f"{e['alone'] / e['together']:.2f}x | {d['alone'] * 1e6:.0f} | {d['together'] * 1e6:.0f} | "
               f"{d['alone'] / d['together']:.2f}x | {st['alone'] * 1e6:.0f} | {st['together'] * 1e6:.0f} | "
-              f"{st['alone'] / st['together']:.2f}x | {r['sha256_seconds_per_message'] * 1e6:.0f} |")
+              f"{st['alone'] / st['together']:.2f}x | {r['checksum_seconds_per_message'] * 1e6:.0f} |")
     print(f"\nappended to {args.out} (commit {stamp['commit']}, load {load_before:.2f} -> {stamp['load_after']:.2f})")
 
 

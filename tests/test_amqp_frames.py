@@ -22,7 +22,7 @@ from dfca.transport.amqp_frames import RECV_BYTES, FrameReader, FrameReadingConn
 def stream_of_frames() -> bytes:
     body = random.Random(0).randbytes(300_000)
     properties = pika.BasicProperties(delivery_mode=2, user_id="worker-1",
-                                      headers={"sha256": "ab" * 32, "round": "7", "sent_at": "1764160000.5"})
+                                      headers={"blake3": "ab" * 32, "round": "7", "sent_at": "1764160000.5"})
     frames: list[frame.Frame | frame.ProtocolHeader] = [
         frame.Method(0, spec.Connection.Tune(channel_max=2047, frame_max=131072, heartbeat=60)),
         frame.Method(1, spec.Basic.Deliver(consumer_tag="ctag", delivery_tag=5, redelivered=False,

@@ -15,5 +15,5 @@ def test_the_benchmark_times_both_ways_for_each_case_and_records_them(tmp_path: 
     assert row["body_bytes"] > 100_000 and row["commit"]  # 8-bit codes of two 784-64-10 models, with their scales
     for way in ("encode_seconds_per_message", "decode_seconds_per_message", "stack_seconds_per_message"):
         assert set(row[way]) == {"alone", "together"} and all(v > 0 for v in row[way].values())
-    assert row["sha256_seconds_per_message"] > 0
+    assert row["checksum_seconds_per_message"] > 0
     assert "| runtime | 109 kB |" in printed

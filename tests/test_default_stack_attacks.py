@@ -28,7 +28,7 @@ from dfca.results.evaluation import cluster_ari
 from dfca.runtime.protocol.messages import StopCommand, WorkerEvent, encode
 from dfca.simulator import Simulation, prepare, simulate
 from dfca.transport import RabbitMQTransport, TransportError
-from dfca.wire.codec import PAYLOAD_DTYPES, Envelope, encode_message, headers_of, sha256
+from dfca.wire.codec import PAYLOAD_DTYPES, Envelope, checksum, encode_message, headers_of
 
 WORKERS = 3
 CLIENTS = 24
@@ -172,7 +172,7 @@ def future_models(cfg: dict[str, object], experiment: str, worker: int,
             bodies[(ex.name, variant)] = encode_message(Envelope(experiment, sender, t, ex.name, ex.step, part,
                                                                  tensors), spec, dtype)[0]
         body = bodies[(ex.name, variant)]
-        headers = headers_of(Envelope(experiment, sender, t, ex.name, ex.step, part), dtype, sha256(body))
+        headers = headers_of(Envelope(experiment, sender, t, ex.name, ex.step, part), dtype, checksum(body))
         messages.append((topics.MODELS_EXCHANGE, topics.model_key(experiment, host, sender, part), body, headers))
     return messages
 

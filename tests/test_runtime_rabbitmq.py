@@ -50,7 +50,7 @@ from dfca.identity.principals import host_of
 from dfca.identity.sharding import clients_of
 from dfca.models.build import build_model
 from dfca.simulator import simulate
-from dfca.wire.codec import Envelope, TensorSpec, encode_message, sha256
+from dfca.wire.codec import CHECKSUM, WIRE_VERSION, Envelope, TensorSpec, checksum, encode_message
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 
@@ -90,7 +90,7 @@ def bad_model_messages(experiment: str, sender: int, impostor: int) -> list[tupl
 
     def headers(body: bytes) -> dict[str, str]:
         return {"experiment": experiment, "sender": str(sender), "round": "1", "exchange": "seed", "step": "0",
-                "part": "0", "sha256": sha256(body), "dtype": "float32", "version": "2"}
+                "part": "0", CHECKSUM: checksum(body), "dtype": "float32", "version": WIRE_VERSION}
 
     garbage = os.urandom(4096)
     wrong = save({name: torch.zeros(3, 3) for name in shapes})

@@ -108,6 +108,26 @@ def test_a_merges_distances_at_the_pairs_read_are_those_of_every_pair(device: st
     torch.testing.assert_close(sampled[delivered].float(), direct[delivered], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("density", [0.1, 1.0])
+def test_a_merges_products_with_anchors_and_steps_in_one_matrix_are_those_taken_apart(
+        density: float, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the anchors and the steps fit in FUSED_BYTES, one product with both gives the distances and the step
+    products that two products (one with each) give, at every pair and at the pairs read alone."""
+    _, _, arrived, _, read, screen = step_inputs(density, device, seed=6)
+    models = {n: v[:, 0] for n, v in arrived.items()}
+    part = torch.randint(0, K, (S,), generator=torch.Generator().manual_seed(7)).to(device)
+    delivered = read[:, :, 0]
+    assert sg.anchors_and_steps(screen, "w") is not None  # these few rows: fused
+    fused, fused_along = sg.message_distances(models, part, screen, delivered)
+    monkeypatch.setattr(sg, "FUSED_BYTES", 0)
+    screen.cached.clear()
+    assert sg.anchors_and_steps(screen, "w") is None
+    apart, apart_along = sg.message_distances(models, part, screen, delivered)
+    assert fused_along is not None and apart_along is not None
+    torch.testing.assert_close(fused[delivered], apart[delivered], **CLOSE)
+    torch.testing.assert_close(fused_along[delivered], apart_along[delivered], **CLOSE)
+
+
 def test_products_at_many_pairs_a_row_taken_in_column_blocks_are_those_of_every_pair(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPU, where the rows read take more than WHOLE_ROW_ENTRIES pairs each, the sampled product is taken a block

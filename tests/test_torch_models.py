@@ -42,7 +42,7 @@ from dfca.models.factory import ModelFactoryError, allowed_factories, check_conf
 from dfca.models.torch_model import TorchModel
 from dfca.run_size import RunTooLarge
 from dfca.simulator import Simulation, prepare, simulate
-from dfca.wire.codec import Envelope, PayloadRejected, decode_message, encode_message, serialize, sha256
+from dfca.wire.codec import CHECKSUM, Envelope, PayloadRejected, checksum, decode_message, encode_message, serialize
 from harness.lockstep import LockstepRun, client_driver, lockstep_round, run_lockstep
 from services.topology.main import create_app
 
@@ -394,7 +394,8 @@ def test_the_wire_names_a_modules_tensors_by_its_state_dict_and_checks_them() ->
         assert err.value.reason == reason
     missing = {n: t for n, t in tensors.items() if n != "5.bias"}
     body = serialize(missing)
-    headers = {**encode_message(Envelope("exp1", 3, 0, exchange.name, 0, 0, tensors), spec)[1], "sha256": sha256(body)}
+    headers = {**encode_message(Envelope("exp1", 3, 0, exchange.name, 0, 0, tensors), spec)[1],
+               CHECKSUM: checksum(body)}
     with pytest.raises(PayloadRejected) as err:
         decode_message(key, body, headers, "exp1", lambda _head: spec)
     assert err.value.reason == "shape"

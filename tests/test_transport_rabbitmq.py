@@ -90,7 +90,7 @@ def test_bodies_above_chunk_bytes_travel_in_parts_and_arrive_whole(
         transport.declare_queue(queue)
         transport.bind(queue, exchange, "m.#")
     body = os.urandom(1 << 20)
-    headers = {"sha256": "abc", "sender": "4"}
+    headers = {"blake3": "abc", "sender": "4"}
     transport.publish(exchange, "m.small", b"before")
     transport.publish(exchange, "m.big", body, headers)
     transport.publish(exchange, "m.small", b"after")

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import pytest
 import torch
+from blake3 import blake3
 from safetensors.torch import load as st_load
 from safetensors.torch import save
 
 from dfca.core.quantize import dequantize
 from dfca.identity import topics
 from dfca.wire.codec import (
+    CHECKSUM,
+    WIRE_VERSION,
     Envelope,
     PayloadRejected,
     Spec,
@@ -19,13 +23,13 @@ from dfca.wire.codec import (
     WireTensors,
     as_received,
     body_bytes,
+    checksum,
     decode_message,
     encode_message,
     headers_of,
     message_bytes,
     quantize_rows,
     serialize,
-    sha256,
     shape_of,
     stacked,
 )
@@ -83,7 +87,7 @@ def test_roundtrip_float32_exact() -> None:
     assert (got.experiment, got.sender, got.round, got.exchange, got.step, got.part) == ("exp1", 7, 3, "models", 0, 1)
     for k in MODEL:
         assert torch.equal(got.tensors[k], model_message().tensors[k])
-    assert headers["sha256"] == sha256(body)
+    assert headers[CHECKSUM] == checksum(body)
 
 
 def test_float16_payload_is_half_the_size_and_close_and_weights_stay_exact() -> None:
@@ -158,12 +162,12 @@ def test_message_bytes_count_body_headers_and_routing_key() -> None:
     body, headers = encode_message(model_message(), MODEL)
     table = 4 + sum(1 + len(k) + 1 + 4 + len(v) for k, v in headers.items())
     assert message_bytes(len(body), headers, KEY) == len(body) + table + 1 + len(KEY)
-    assert headers_of(model_message(), torch.float32, headers["sha256"]) == headers
+    assert headers_of(model_message(), torch.float32, headers[CHECKSUM]) == headers
 
 
 def test_garbage_bytes_rejected() -> None:
     body = b"\x00garbage" * 10
-    headers = {**encode_message(model_message(), MODEL)[1], "sha256": sha256(body)}
+    headers = {**encode_message(model_message(), MODEL)[1], CHECKSUM: checksum(body)}
     assert rejected(lambda: decode(body, headers)) == "decode"
 
 
@@ -171,6 +175,23 @@ def test_checksum_mismatch_rejected() -> None:
     body, headers = encode_message(model_message(), MODEL)
     tampered = body[:-1] + bytes([body[-1] ^ 1])
     assert rejected(lambda: decode(tampered, headers)) == "checksum"
+
+
+def test_a_message_of_another_wire_version_is_rejected_as_such() -> None:
+    """A worker of an earlier release (wire version 2: a SHA-256 checksum under `sha256`) is told apart from a
+    corrupted body."""
+    body, headers = encode_message(model_message(), MODEL)
+    old = {**{k: v for k, v in headers.items() if k != CHECKSUM}, "sha256": hashlib.sha256(body).hexdigest(),
+           "version": "2", CHECKSUM: checksum(body)}
+    with pytest.raises(PayloadRejected) as err:
+        decode(body, old)
+    assert err.value.reason == "version" and "'2'" in str(err.value)
+    assert headers["version"] == WIRE_VERSION
+
+
+def test_the_checksum_is_the_bodys_blake3() -> None:
+    body, headers = encode_message(model_message(), MODEL)
+    assert headers[CHECKSUM] == blake3(body).hexdigest() and len(headers[CHECKSUM]) == 64
 
 
 def test_wrong_names_and_shapes_rejected() -> None:
@@ -190,7 +211,7 @@ def test_non_finite_rejected(bad: float) -> None:
 def resigned(tensors: dict[str, torch.Tensor], like: Envelope, spec: Spec,
              dtype: torch.dtype = torch.float32) -> tuple[bytes, dict[str, str]]:
     body = save(tensors)
-    return body, {**encode_message(like, spec, dtype)[1], "sha256": sha256(body)}
+    return body, {**encode_message(like, spec, dtype)[1], CHECKSUM: checksum(body)}
 
 
 def test_wrong_dtype_rejected() -> None:
@@ -198,7 +219,7 @@ def test_wrong_dtype_rejected() -> None:
     assert rejected(lambda: decode(body, headers)) == "dtype"
 
 
-@pytest.mark.parametrize("drop", ["round", "exchange", "step", "part", "sender", "sha256"])
+@pytest.mark.parametrize("drop", ["round", "exchange", "step", "part", "sender", CHECKSUM, "version"])
 def test_missing_header_rejected(drop: str) -> None:
     body, headers = encode_message(model_message(), MODEL)
     del headers[drop]

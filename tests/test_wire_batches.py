@@ -14,14 +14,15 @@ from safetensors.torch import save
 from dfca.identity import topics
 from dfca.wire.batches import decode_messages, encode_rows, payload_layout
 from dfca.wire.codec import (
+    CHECKSUM,
     Envelope,
     PayloadRejected,
     Spec,
     TensorSpec,
     WireTensors,
+    checksum,
     decode_message,
     encode_message,
-    sha256,
     stacked,
 )
 
@@ -166,13 +167,13 @@ def damaged(message: tuple[str, bytes, dict[str, str]], spec: Spec, change: Call
     tensors = dict(load(body))
     change(tensors)
     new = save(tensors)
-    return key, new, {**headers, "sha256": sha256(new)}
+    return key, new, {**headers, CHECKSUM: checksum(new)}
 
 
 @pytest.mark.parametrize("damage", [
-    lambda m: (m[0], m[1][:-1], {**m[2], "sha256": sha256(m[1][:-1])}),  # truncated: decode
-    lambda m: (m[0], b"junk" * 10, {**m[2], "sha256": sha256(b"junk" * 10)}),  # not safetensors
-    lambda m: (m[0], m[1], {**m[2], "sha256": "0" * 64}),  # checksum
+    lambda m: (m[0], m[1][:-1], {**m[2], CHECKSUM: checksum(m[1][:-1])}),  # truncated: decode
+    lambda m: (m[0], b"junk" * 10, {**m[2], CHECKSUM: checksum(b"junk" * 10)}),  # not safetensors
+    lambda m: (m[0], m[1], {**m[2], CHECKSUM: "0" * 64}),  # checksum
     lambda m: (m[0], m[1], {**m[2], "sender": "99"}),  # spoofed: headers against the routing key
     lambda m: (m[0], m[1], {**m[2], "exchange": "merge"}),  # no such exchange
     lambda m: (m[0], m[1], {**m[2], "experiment": "other"}),
@@ -211,7 +212,7 @@ def test_another_writers_file_of_the_same_tensors_decodes_alone_to_the_same_valu
     from safetensors.torch import load
 
     other = save(dict(load(body)), metadata={"writer": "someone else"})
-    messages[1] = (key, other, {**headers, "sha256": sha256(other)})
+    messages[1] = (key, other, {**headers, CHECKSUM: checksum(other)})
     together = decode_messages(messages, "exp1", by_exchange)
     assert agree(together, one_by_one(messages, by_exchange))
     assert all(isinstance(e, Envelope) for e in together)

@@ -77,6 +77,9 @@ SAMPLED_WIDTH = 512
 # 12 a row 784 / 374 / 327, 24 a row 808 / 760 / 551.
 WHOLE_ROW_ENTRIES = 12
 PAIR_BLOCK = 512  # columns a block of the products at the pairs read takes (their rows: 2 KiB each, in cache)
+# A merge's models are multiplied by the anchors and by the steps in one product (`anchors_and_steps`) where the two
+# together take at most this much: a copy of them is kept for the round.
+FUSED_BYTES = 64 << 20
 
 # (receiver rows [P], their estimates of their own cluster [P, ...]) -> [P] bool: keep the estimate
 EstimateTest = Callable[[Tensor, dict[str, Tensor]], Tensor]
@@ -379,9 +382,10 @@ def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen
     """([M, S], [M, S] or None): |models[s] - theta_{i,part[s]}| for every row i and message s (a model of cluster
     part[s]), theta_i row i's models as training left them: its anchor, its own cluster moved by its step; and, with
     a step, models[s] . step_i. As |x - a|^2, less 2 (x - a).step - |step|^2 where part[s] is the row's own cluster:
-    no model is copied, and one product per tensor with the anchors' [M k, F] view (and one with the steps) reads the
-    messages. read [M, S]: the pairs that are read (the others are left inexact); where they are few (`taken_alone`),
-    the products are taken at them alone, each message with its cluster's anchor."""
+    no model is copied, and one product per tensor with the anchors' [M k, F] view and the steps (in one matrix,
+    `anchors_and_steps`, where it is small enough) reads the messages. read [M, S]: the pairs that are read (the
+    others are left inexact); where they are few (`taken_alone`), the products are taken at them alone, each message
+    with its cluster's anchor."""
     m, s = screen.clusters.shape[0], part.shape[0]
     k = next(iter(screen.anchor.values())).shape[1]
     own = part.unsqueeze(0) == screen.clusters.unsqueeze(1)  # [M, S]
@@ -396,13 +400,23 @@ def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen
     for name, anchor in screen.anchor.items():
         x = models[name].reshape(s, -1).to(anchor.dtype)
         sq = sq + squared_norms(x.unsqueeze(1)).squeeze(1).unsqueeze(0)
+        fused = anchors_and_steps(screen, name) if along is not None else None  # [M k + M, F] or None
         if not alone:
-            products = flat_rows(anchor) @ x.T  # [M k, S]: a_ij . x_s for every cluster j
-            sq -= 2 * products.view(m, k, s).gather(1, pick).squeeze(1).double()
-            if along is not None and screen.step is not None:
-                along += (screen.step[name].reshape(m, -1).to(x.dtype) @ x.T).double()  # step_i . x_s
+            if fused is not None:  # a_ij . x_s for every cluster j, then step_i . x_s: the models read once
+                products = fused @ x.T
+                along += products[m * k:].double()
+            else:
+                products = flat_rows(anchor) @ x.T  # [M k, S]: a_ij . x_s for every cluster j
+                if along is not None and screen.step is not None:
+                    along += (screen.step[name].reshape(m, -1).to(x.dtype) @ x.T).double()  # step_i . x_s
+            sq -= 2 * products[:m * k].view(m, k, s).gather(1, pick).squeeze(1).double()
             continue
         if i.numel():  # at the pairs read alone: a message with its cluster's anchor, and with the row's step
+            if fused is not None:
+                both = pair_products(fused, x, torch.cat([at_part, m * k + i]), torch.cat([t, t]))
+                sq[i, t] -= 2 * both[:i.shape[0]]
+                along[i, t] += both[i.shape[0]:]
+                continue
             sq[i, t] -= 2 * pair_products(flat_rows(anchor), x, at_part, t)
             if along is not None and screen.step is not None:
                 along[i, t] += pair_products(screen.step[name].reshape(m, -1).to(x.dtype), x, i, t)
@@ -411,6 +425,21 @@ def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen
         moved = along - anchor_step.unsqueeze(1)  # [M, S]: (x - a).step
         sq -= own.double() * (2 * moved - step_sq.unsqueeze(1))
     return sq.clamp_min(0.0).sqrt(), along
+
+
+def anchors_and_steps(screen: Screen, name: str) -> Tensor | None:
+    """[M k + M, F]: tensor `name`'s anchors as the rows of their [M k, F] view, then each row's step, as one matrix,
+    so that one product with a merge's models gives both (`message_distances` reads the models once, not twice).
+    Taken once a round, where it holds at most FUSED_BYTES (a copy of the anchors: a worker's few rows, not a whole
+    large simulation's); else None."""
+    anchor = screen.anchor[name]
+    if screen.step is None or anchor.numel() * (1 + 1 / anchor.shape[1]) * anchor.element_size() > FUSED_BYTES:
+        return None
+    key = f"anchors_and_steps.{name}"
+    if key not in screen.cached:
+        step = screen.step[name].reshape(anchor.shape[0], -1)
+        screen.cached[key] = torch.cat([flat_rows(anchor), step.to(anchor.dtype)])
+    return screen.cached[key]
 
 
 def data_checks(rows: Tensor, flat: Tensor, values: Mapping[str, Tensor], divisor: Tensor | None,

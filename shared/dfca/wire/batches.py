@@ -38,13 +38,13 @@ from dfca.wire.codec import (
     TensorSpec,
     WireTensors,
     check_checksum,
+    checksum,
     encode_message,
     headers_of,
     quantize_rows,
     read_body,
     read_headers,
     scales_valid,
-    sha256,
     wire_dtype,
     wire_layout,
 )
@@ -86,7 +86,7 @@ def encode_rows(heads: Sequence[Envelope], spec: Spec, tensors: Mapping[str, tor
     for s, head in enumerate(heads):
         body = b"".join([file.prefix, *(d[s] for d in data)])
         copy = _payload(spec, code_rows, sent_copies, s) if wanted[s] else None
-        out.append((body, headers_of(head, model_dtype, sha256(body)), copy))
+        out.append((body, headers_of(head, model_dtype, checksum(body)), copy))
     return out
 
 

@@ -15,7 +15,7 @@ Admission decides, the driver acts (acknowledges, rejects, unbinds); nothing her
   than the sender's), and never more than MAX_ROUNDS_AHEAD after its own round (`future_round`). A host cannot
   vouch for itself, so models a worker sends for rounds the others have not reached (pre-sent lies, to be the first
   copy when the round comes) are refused, and forged rounds cannot pile up in memory;
-- equivocation: two different bodies (their sha256) for the same (sender, round, exchange, step, part) are
+- equivocation: two different bodies (their checksums) for the same (sender, round, exchange, step, part) are
   `equivocation`: counted, the later one refused and, where publishers are proven, the sender `blocked` for the rest
   of the run. An honest sender sends each message once (the broker's redeliveries and a restarted worker's repeats
   are the same bytes).
@@ -135,10 +135,10 @@ class Admission:
         self.reached[host] = max(claimed_round, self.reached.get(host, claimed_round))
         return None
 
-    def equivocation(self, identity: MessageIdentity, sha256: str) -> Refusal | None:
-        """A body (`sha256`) for `identity` that differs from the one already let in is refused (`equivocation`); the
-        driver then cuts the sender off where publishers are `proven`."""
-        if self.bodies.same_or_first(identity, sha256):
+    def equivocation(self, identity: MessageIdentity, digest: str) -> Refusal | None:
+        """A body (its checksum `digest`) for `identity` that differs from the one already let in is refused
+        (`equivocation`); the driver then cuts the sender off where publishers are `proven`."""
+        if self.bodies.same_or_first(identity, digest):
             return None
         return Refusal("equivocation", f"client {identity[0]} sent two different bodies for round {identity[1]} "
                                        f"{identity[2]} step {identity[3]} part {identity[4]}")
@@ -188,13 +188,13 @@ def identity_of(envelope: Envelope) -> MessageIdentity:
 
 @dataclass
 class BodyLedger:
-    """The sha256 of the first body let in for each message identity."""
+    """The checksum of the first body let in for each message identity (dfca.wire.codec: BLAKE3)."""
 
     first: dict[MessageIdentity, str] = field(default_factory=dict)
 
-    def same_or_first(self, identity: MessageIdentity, sha256: str) -> bool:
+    def same_or_first(self, identity: MessageIdentity, digest: str) -> bool:
         """True for the first body of `identity` (recorded) or a copy of it; False for a different one."""
-        return self.first.setdefault(identity, sha256) == sha256
+        return self.first.setdefault(identity, digest) == digest
 
     def forget_before(self, round_: int) -> None:
         self.first = {i: d for i, d in self.first.items() if i[1] >= round_}

@@ -31,7 +31,7 @@ from dfca.runtime.driver.ledger import Ledger, Placement
 from dfca.runtime.driver.liveness import NeighbourLiveness
 from dfca.runtime.driver.outbox import encode_outbox
 from dfca.transport import Message, Transport
-from dfca.wire.codec import PAYLOAD_DTYPES, PayloadRejected, sha256
+from dfca.wire.codec import CHECKSUM, PAYLOAD_DTYPES, PayloadRejected, checksum
 
 log = logging.getLogger(__name__)
 KEEP_GOING_EVERY_S = 0.25  # how often a waiting driver asks whether to go on
@@ -282,7 +282,7 @@ class MessageDriver:
         elif (refusal := self.admission.admit_round(envelope.sender, envelope.round, self.round)) is not None:
             self._reject(message, refusal.reason, refusal.detail)
         elif (refusal := self.admission.equivocation(
-                identity_of(envelope), message.headers.get("sha256") or sha256(message.body))) is not None:
+                identity_of(envelope), message.headers.get(CHECKSUM) or checksum(message.body))) is not None:
             self._reject(message, refusal.reason, refusal.detail)
             if self.admission.proven and envelope.sender not in self.blocked:
                 self.block(envelope.sender, "sent two different bodies for one message")
