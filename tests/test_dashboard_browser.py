@@ -21,6 +21,7 @@ import pytest
 import yaml
 from runtime_fixtures import TOKEN, Api, rotated_mnist, running_stack
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
@@ -73,6 +74,25 @@ def by_testid(driver: webdriver.Chrome, name: str) -> Any:
     return driver.find_element(By.CSS_SELECTOR, f'[data-testid="{name}"]')
 
 
+def read_of(driver: webdriver.Chrome, name: str, read: Callable[[Any], Any], tries: int = 20) -> Any:
+    """read(element) of the element named `name`, found again where the dashboard redrew it between finding and
+    reading (a stale element: its table is rebuilt on every refresh)."""
+    for _ in range(tries - 1):
+        try:
+            return read(by_testid(driver, name))
+        except StaleElementReferenceException:
+            time.sleep(0.05)
+    return read(by_testid(driver, name))
+
+
+def text_of(driver: webdriver.Chrome, name: str) -> str:
+    return read_of(driver, name, lambda e: e.text)
+
+
+def attribute_of(driver: webdriver.Chrome, name: str, attribute: str) -> str | None:
+    return read_of(driver, name, lambda e: e.get_attribute(attribute))
+
+
 def console_errors(driver: webdriver.Chrome) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
@@ -80,7 +100,7 @@ def console_errors(driver: webdriver.Chrome) -> list[str]:
 def sign_in(driver: webdriver.Chrome, stack: Stack) -> None:
     """Without the token the page says the read was refused; typed in, it shows the experiments."""
     driver.get(f"{stack.options.metrics_url}/ui")
-    until("the refused read", lambda: "401" in by_testid(driver, "page-error").text)
+    until("the refused read", lambda: "401" in text_of(driver, "page-error"))
     driver.get_log("browser")  # the refused reads are expected: empty the console log
     token = by_testid(driver, "token")
     token.send_keys(TOKEN)
@@ -98,8 +118,8 @@ def test_the_dashboard_follows_a_run_and_stops_it(stack: Stack, browser: webdriv
     area = by_testid(browser, "yaml")  # a bad config: the field is named, nothing is created
     browser.execute_script("arguments[0].value = arguments[1]", area, "name: x\ntrain: {lr: -1}\n")
     by_testid(browser, "create").click()
-    message = until("an error", lambda: "train.lr" in by_testid(browser, "create-result").text and
-                    by_testid(browser, "create-result").text)
+    message = until("an error", lambda: "train.lr" in text_of(browser, "create-result") and
+                    text_of(browser, "create-result"))
     assert "422" in message
     assert [e for e in Api.of(stack).topology.get("/experiments").json() if e["name"] == "x"] == []
     refused = console_errors(browser)  # reading the log empties it: the refused request is the only entry
@@ -111,13 +131,13 @@ def test_the_dashboard_follows_a_run_and_stops_it(stack: Stack, browser: webdriv
     by_testid(browser, "create-start").click()
     until("the experiment page", lambda: "#/e/ui-" in browser.current_url)
     experiment = browser.current_url.rsplit("/", 1)[-1]
-    until("status running", lambda: by_testid(browser, "status").text == "running")
+    until("status running", lambda: text_of(browser, "status") == "running")
 
     graph_nodes = until("the graph", lambda: browser.execute_script(GRAPH_NODES))
     assert len(graph_nodes) == 24  # one node per client
 
     def points() -> int:
-        return int(by_testid(browser, "curve-accuracy").get_attribute("data-points") or 0)
+        return int(attribute_of(browser, "curve-accuracy", "data-points") or 0)
 
     first = until("a first point on the accuracy curve", lambda: points() >= 2 and points(), timeout=90)
     until("more points while we watch", lambda: points() >= first + 3, timeout=90)
@@ -129,16 +149,16 @@ def test_the_dashboard_follows_a_run_and_stops_it(stack: Stack, browser: webdriv
     until("each worker's device", lambda: browser.execute_script(  # read at once: the table is redrawn
         "return [...document.querySelectorAll('[data-testid^=\"worker-\"]')].map(r => r.cells[2].textContent)"
     ) == ["cpu"] * 3)  # where it placed its clients: the stack's workers compute on the CPU
-    until("message counters", lambda: by_testid(browser, "messages-applied").text)
+    until("message counters", lambda: text_of(browser, "messages-applied"))
 
     by_testid(browser, "stop").click()
-    until("status stopped", lambda: by_testid(browser, "status").text == "stopped", timeout=60)
+    until("status stopped", lambda: text_of(browser, "status") == "stopped", timeout=60)
     assert Api.of(stack).experiment(experiment)["status"] == "stopped"
     assert console_errors(browser) == []
 
     browser.get(f"{stack.options.metrics_url}/ui#/")  # the list shows it, with its scores
-    row = until("the experiment in the list", lambda: by_testid(browser, f"row-{experiment}"))
-    assert "stopped" in row.text and "dfca" in row.text
+    row = until("the experiment in the list", lambda: text_of(browser, f"row-{experiment}"))
+    assert "stopped" in row and "dfca" in row
     assert console_errors(browser) == []
 
 
@@ -159,7 +179,7 @@ def test_a_finished_run_reads_at_a_glance(stack: Stack, browser: webdriver.Chrom
 
     sign_in(browser, stack)
     browser.get(f"{stack.options.metrics_url}/ui#/e/{experiment}")
-    until("status completed", lambda: by_testid(browser, "status").text == "completed")
+    until("status completed", lambda: text_of(browser, "status") == "completed")
     nodes = until("every client in the graph", lambda: (lambda ns: len(ns) == 24 and all(n["dfca"] for n in ns)
                                                          and ns)(browser.execute_script(GRAPH_NODES)))
     fills = [n["itemStyle"]["color"] for n in nodes]
@@ -167,18 +187,18 @@ def test_a_finished_run_reads_at_a_glance(stack: Stack, browser: webdriver.Chrom
     assert fills == rings  # ARI 1: every client drawn in its true cluster's colour, filled and ringed
     assert len(set(rings)) == 2  # the two true clusters, two colours
 
-    legend = by_testid(browser, "graph-legend").text
+    legend = text_of(browser, "graph-legend")
     assert "fill = assigned cluster" in legend and "ring = true cluster" in legend
     assert "cluster 0" in legend and "cluster 1" in legend
-    assert by_testid(browser, "legend-misclustered").text == "every client in its true cluster"
+    assert text_of(browser, "legend-misclustered") == "every client in its true cluster"
 
-    assert by_testid(browser, "round").text == "round 10 of 10"
-    assert by_testid(browser, "summary-ari").text.startswith("1.00")
-    assert by_testid(browser, "summary-accuracy").text.startswith(f"{summary['test_accuracy']:.3f}")
-    assert by_testid(browser, "summary-clustered-right").text.startswith("24 of 24")
-    assert by_testid(browser, "summary-rounds").text.startswith("10 of 10 (after 8 seeding)")
-    assert [by_testid(browser, f"worker-{w}").text.split()[3] for w in range(3)] == ["10/10"] * 3
-    config = by_testid(browser, "config").text
+    assert text_of(browser, "round") == "round 10 of 10"
+    assert text_of(browser, "summary-ari").startswith("1.00")
+    assert text_of(browser, "summary-accuracy").startswith(f"{summary['test_accuracy']:.3f}")
+    assert text_of(browser, "summary-clustered-right").startswith("24 of 24")
+    assert text_of(browser, "summary-rounds").startswith("10 of 10 (after 8 seeding)")
+    assert [text_of(browser, f"worker-{w}").split()[3] for w in range(3)] == ["10/10"] * 3
+    config = text_of(browser, "config")
     assert "name: glance" in config and "clusters: 2" in config and "rotations: [0, 180]" in config
 
     for testid in ("curve-accuracy", "curve-ari", "curve-loss", "curve-clusters"):
@@ -187,18 +207,18 @@ def test_a_finished_run_reads_at_a_glance(stack: Stack, browser: webdriver.Chrom
         xs = [point[0] for point in option["series"][0]["data"]]
         assert min(xs) > 0 and xs[-1] == 10  # seeding inside (0, 1), then training rounds 1..10, as the plots draw
         assert option["tooltip"][0]["trigger"] == "axis", testid  # hover values
-        assert len(option["series"][0]["data"]) == int(by_testid(browser, testid).get_attribute("data-points")) > 0
+        assert len(option["series"][0]["data"]) == int(attribute_of(browser, testid, "data-points")) > 0
     ari = browser.execute_script(CHART_OPTION, "curve-ari")
     assert ari["series"][0]["data"][-1][1] == 1.0 and ari["series"][0]["data"][-1][2] == "round 10 of 10"
 
     model = until("the final model's link", lambda: browser.find_element(
-        By.CSS_SELECTOR, '[data-testid^="download-models-"][data-testid$=".safetensors"]'))
+        By.CSS_SELECTOR, '[data-testid^="download-models-"][data-testid$=".safetensors"]').get_attribute("href"))
     assert by_testid(browser, "download-models-assignments.json")
     until("the plots' links", lambda: browser.find_elements(By.CSS_SELECTOR, '[data-testid^="download-plots-"]'))
     answered = browser.execute_async_script(
         "const done = arguments[arguments.length - 1];"
         "fetch(arguments[0]).then(r => r.arrayBuffer().then(b => done([r.status, b.byteLength])))",
-        model.get_attribute("href"))
+        model)
     assert answered[0] == 200 and answered[1] > 1000
     assert console_errors(browser) == []
 
