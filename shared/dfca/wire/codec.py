@@ -13,12 +13,11 @@ its headers and its routing key, as both drivers count it.
 `decode_message` is the one decoder: it checks the routing key against the headers (a spoofed sender or
 part), the experiment, the exchange (`spec_of` names its payload, or rejects an exchange the round does
 not have), the wire version, the checksum, and every tensor's name, shape, dtype and values (NaN/Inf; negative
-weights).
+weights). A message that fails raises `PayloadRejected`; callers count and dead-letter it and never apply it.
 
 The checksum is BLAKE3 (256 bits, hex): a cryptographic hash, since a receiver tells two bodies of one message apart
 by it (equivocation, runtime.driver.admission), and about three times as fast as SHA-256 (wire version 2) on this
 project's machine: 20 against 61 us a 109 kB body, and each body is hashed when it is sent and again when it arrives.
-A message that fails raises `PayloadRejected`; callers count and dead-letter it and never apply it.
 """
 
 from __future__ import annotations
