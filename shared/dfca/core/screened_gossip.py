@@ -401,25 +401,23 @@ def message_distances(models: Mapping[str, Tensor], part: Tensor, screen: Screen
         x = models[name].reshape(s, -1).to(anchor.dtype)
         sq = sq + squared_norms(x.unsqueeze(1)).squeeze(1).unsqueeze(0)
         fused = anchors_and_steps(screen, name) if along is not None else None  # [M k + M, F] or None
-        if not alone:
-            if fused is not None:  # a_ij . x_s for every cluster j, then step_i . x_s: the models read once
-                products = fused @ x.T
-                along += products[m * k:].double()
-            else:
-                products = flat_rows(anchor) @ x.T  # [M k, S]: a_ij . x_s for every cluster j
-                if along is not None and screen.step is not None:
-                    along += (screen.step[name].reshape(m, -1).to(x.dtype) @ x.T).double()  # step_i . x_s
+        step = None if screen.step is None else screen.step[name].reshape(m, -1).to(x.dtype)
+        if not alone:  # a_ij . x_s for every cluster j, and step_i . x_s: in one product where fused
+            products = (flat_rows(anchor) if fused is None else fused) @ x.T  # [M k (+ M), S]
             sq -= 2 * products[:m * k].view(m, k, s).gather(1, pick).squeeze(1).double()
+            if along is not None and step is not None:
+                along += (step @ x.T if fused is None else products[m * k:]).double()
             continue
         if i.numel():  # at the pairs read alone: a message with its cluster's anchor, and with the row's step
             if fused is not None:
                 both = pair_products(fused, x, torch.cat([at_part, m * k + i]), torch.cat([t, t]))
-                sq[i, t] -= 2 * both[:i.shape[0]]
-                along[i, t] += both[i.shape[0]:]
-                continue
-            sq[i, t] -= 2 * pair_products(flat_rows(anchor), x, at_part, t)
-            if along is not None and screen.step is not None:
-                along[i, t] += pair_products(screen.step[name].reshape(m, -1).to(x.dtype), x, i, t)
+                at_anchor, at_step = both[:i.shape[0]], both[i.shape[0]:]
+            else:
+                at_anchor = pair_products(flat_rows(anchor), x, at_part, t)
+                at_step = None if step is None else pair_products(step, x, i, t)
+            sq[i, t] -= 2 * at_anchor
+            if along is not None and at_step is not None:
+                along[i, t] += at_step
     if along is not None:
         anchor_step, step_sq = step_terms(screen)
         moved = along - anchor_step.unsqueeze(1)  # [M, S]: (x - a).step
