@@ -59,10 +59,13 @@ class Layout(NamedTuple):
         return self.entries[-1].end if self.entries else len(self.prefix)
 
 
-def layout(tensors: Mapping[str, tuple[str, tuple[int, ...]]], metadata: Mapping[str, str] | None = None) -> Layout:
+def layout(tensors: Mapping[str, tuple[str, tuple[int, ...]]], metadata: Mapping[str, str] | None = None,
+           prefix_bytes: int = 0) -> Layout:
     """The layout of a file of tensors given as name -> (safetensors dtype name, shape): safetensors' own (tensors
     ordered by dtype, widest first, then name; compact JSON; `__metadata__` first). The header is written out by
-    hand: json.dumps of it took 30 us for a message's 9 tensors, a third of the whole."""
+    hand: json.dumps of it took 30 us for a message's 9 tensors, a third of the whole. `prefix_bytes` (a multiple of
+    8): the header padded with spaces to that length where it is shorter, so the tensors lie where a file of a
+    longer header would put them."""
     order = sorted(tensors, key=lambda n: (-_ORDER[tensors[n][0]], n))
     entries = [f'"__metadata__":{json.dumps(dict(metadata), separators=(",", ":"), ensure_ascii=False)}'] \
         if metadata else []
@@ -76,7 +79,7 @@ def layout(tensors: Mapping[str, tuple[str, tuple[int, ...]]], metadata: Mapping
         placed.append((name, dtype, tuple(shape), offset, offset + nbytes))
         offset += nbytes
     text = ("{" + ",".join(entries) + "}").encode()
-    text += b" " * (-len(text) % 8)
+    text += b" " * max(-len(text) % 8, prefix_bytes - 8 - len(text))
     prefix = struct.pack("<Q", len(text)) + text
     return Layout(prefix, tuple(Entry(n, d, s, len(prefix) + a, len(prefix) + b) for n, d, s, a, b in placed))
 

@@ -34,6 +34,7 @@ from dfca.devices import resolve_device
 from dfca.identity import topics
 from dfca.models.build import model_from_config
 from dfca.models.factory import allowed_factories
+from dfca.runtime.driver.checkpoints import remove_checkpoint
 from dfca.runtime.driver.host_transport import HostTransport, RunInterrupted
 from dfca.runtime.driver.message_driver import MessageDriver
 from dfca.runtime.protocol.messages import TERMINAL_STATUSES, StartCommand
@@ -131,7 +132,7 @@ class ServerRole:
         except Exception as err:  # a broker hiccup: the queue is left behind, harmless
             log.debug("could not delete the server queue: %s", err)
         if self.checkpoint is not None:
-            self.checkpoint.unlink(missing_ok=True)
+            remove_checkpoint(self.checkpoint)
 
 
 

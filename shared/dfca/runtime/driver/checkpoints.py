@@ -1,14 +1,26 @@
-"""A worker's checkpoints: a copy of its state taken between rounds, written atomically, off the round loop.
+"""A worker's checkpoints: its state after each round, copied into a file mapped in memory, named atomically.
 
-A checkpoint is the hosted rows' state after a round (safetensors) with metadata; `write` puts it at its path
-atomically (a temporary file, then a rename over the old one). The rename over an existing file makes ext4
-start writing the new file's data back at once (`auto_da_alloc`), so a checkpoint costs a few milliseconds of
-the round loop's time that no message is waiting for. `CheckpointWriter` writes each one on a thread of its own
-while the next round runs, and only then does what must follow it: acknowledging the messages the checkpoint
-holds (a worker killed before that gets them again from the broker and resumes from the checkpoint before).
-They are written one at a time and land in order; the round loop waits only while `PENDING` of them are not done
-(1 by default: a round's end waits for the write before it; with more, a round ends while a write still waits for
-its round's publisher confirms, a broker's fsync, at the cost of another copy of the clients' state).
+A checkpoint is the hosted rows' state after a round (safetensors) with metadata. At `path` is a symbolic link to
+one of a few slot files (`<stem>.slot0<suffix>`, `<stem>.slot1<suffix>`, ...: `CheckpointSlots`), the one that
+holds the last whole checkpoint; a reader of `path` reads it as one safetensors file. A checkpoint is copied into
+another slot, mapped in memory and written in place, and only then is the link replaced to name it (a new link
+renamed over the old one). So a process killed at any moment leaves `path` naming a whole checkpoint: the last one
+named, or before the first, none.
+- Writing in place allocates no page and starts no writeback: the kernel writes a slot's dirty pages back when it
+  flushes, seconds later, not every round. The copy into the mapping is the only copy: the state is not copied
+  first and then written. Against a fresh file renamed over the old one (which made ext4 write every checkpoint
+  back at once, `auto_da_alloc`), a worker's 3.3 MB checkpoint took 1.7 ms of CPU in place of 3.1-3.2 ms
+  (`benchmarks/checkpoint_writes.py`).
+- What a machine that crashes loses is what it had not written back. A slot the crash left partly written is
+  found out: each slot's header holds a sum of its data (`integrity`), checked on reading, and the reader falls
+  back to the newest other slot that is whole (a round earlier, whose round's messages the broker gets back only if
+  they were not acknowledged).
+`CheckpointWriter` names each checkpoint on a thread of its own while the next round runs, after what must
+precede it (awaiting the round's publisher confirms) and before what must follow it: acknowledging the messages
+the checkpoint holds (a worker killed before that gets them again from the broker and resumes from the checkpoint
+before). They are named one at a time and in order; the round loop waits only while `PENDING` of them are not
+done (1 by default: a round's end waits for the one before it; with more, a round ends while a checkpoint still
+waits for its round's publisher confirms, a broker's fsync, at the cost of another slot).
 A message driver's checkpoint (`driver_checkpoint`, `read_driver_checkpoint`) also holds the round, the hosted ids
 and the identities of the messages used in that round: a message folded before the checkpoint but not yet
 acknowledged comes back after a crash, and must be a duplicate then, not a late message merged a second time.
@@ -18,6 +30,8 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -25,42 +39,198 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from dfca.runtime.driver.ledger import Identity
-from dfca.wire.safetensors_layout import chunks
+from dfca.wire.safetensors_layout import DTYPE_NAMES, layout
 
 log = logging.getLogger(__name__)
 
-PENDING = 1  # checkpoints submitted and not done before `submit` waits: the one being written
+PENDING = 1  # checkpoints submitted and not done before `submit` waits: the one being named
+INTEGRITY = "integrity"  # the metadata key of a slot's data sum
+HEADER_ROOM = 4096  # a slot's header is padded to a multiple of this, a quarter more than it needs: the next
+# checkpoint's metadata (the identities used, which vary round to round) fits in it, and its tensors stay put
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """State tensors (CPU copies no one else changes) and string metadata, as one safetensors file holds them."""
+    """State tensors (any device and layout) and string metadata, as one safetensors file holds them. The tensors
+    are read when the checkpoint is put into a slot (`CheckpointSlots.put`, `write`), and only then."""
 
     tensors: Mapping[str, torch.Tensor]
     metadata: Mapping[str, str]
 
     def write(self, path: Path) -> None:
-        """Atomically: a reader sees the previous checkpoint or this one, whole."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp, buffers = path.with_suffix(".tmp"), chunks(self.tensors, self.metadata)
-        with tmp.open("wb", buffering=0) as f:
-            for chunk in buffers:
-                view = memoryview(chunk).cast("B")
-                while view:  # a raw write may take less than it was given
-                    view = view[f.write(view):]
-        tmp.replace(path)
+        """Put at `path` at once: a reader sees the previous checkpoint or this one, whole."""
+        slots = CheckpointSlots(path)
+        try:
+            slots.name(slots.put(self))
+        finally:
+            slots.close()
+
+
+class Slot(NamedTuple):
+    """A slot file mapped in memory, for checkpoints of one set of tensors (`signature`: names, dtypes, shapes)."""
+
+    memory: mmap.mmap
+    header: int  # bytes before the data: the 8-byte length and the padded JSON
+    signature: tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+def data_sum(memory: mmap.mmap | bytes, start: int, end: int) -> int:
+    """The sum of bytes start..end as little-endian 32-bit words (the tail's bytes alone): what a torn write, some
+    pages of this checkpoint and some of the one before, changes."""
+    words = (end - start) // 4
+    total = int(np.frombuffer(memory, dtype="<i4", count=words, offset=start).sum(dtype=np.int64)) if words else 0
+    return total + sum(memory[start + 4 * words:end])
+
+
+class CheckpointSlots:
+    """The checkpoint at `path`: a link to the one of `count` slot files that holds the last whole checkpoint. `put`
+    copies a checkpoint into a slot that neither the link nor a checkpoint put and not yet named holds; `name`
+    replaces the link to name it. `put` is called on one thread, `name` and `release` may be on another."""
+
+    def __init__(self, path: Path, count: int = 2) -> None:
+        if count < 2:
+            raise ValueError("a checkpoint needs two slots at least: the one named and the one written")
+        self.path, self.count = path, count
+        self._slots: dict[int, Slot] = {}
+        self._lock = threading.Lock()
+        self._named = slot_index(path)  # the slot the link names now, if any
+        self._filling: set[int] = set()  # put and not yet named or released
+
+    def slot_path(self, index: int) -> Path:
+        return self.path.with_name(f"{self.path.stem}.slot{index}{self.path.suffix}")
+
+    def put(self, checkpoint: Checkpoint) -> int:
+        """Copy `checkpoint` into a free slot, its data sum in its header; returns the slot's index."""
+        with self._lock:
+            index = min(set(range(self.count)) - {self._named} - self._filling)
+            self._filling.add(index)
+        try:
+            self._fill(index, checkpoint)
+        except BaseException:
+            self.release(index)
+            raise
+        return index
+
+    def name(self, index: int) -> None:
+        """Replace the link at `path` by one to slot `index`, atomically."""
+        link = self.path.with_name(f"{self.path.name}.link")
+        link.unlink(missing_ok=True)  # one a crash left between its creation and its rename
+        os.symlink(self.slot_path(index).name, link)
+        os.replace(link, self.path)
+        with self._lock:
+            self._named = index
+            self._filling.discard(index)
+
+    def release(self, index: int) -> None:
+        """Slot `index` was put and will not be named (what had to precede it failed)."""
+        with self._lock:
+            self._filling.discard(index)
+
+    def close(self) -> None:
+        """Unmap the slots (their files stay)."""
+        for slot in self._slots.values():
+            slot.memory.close()
+        self._slots.clear()
+
+    def _fill(self, index: int, checkpoint: Checkpoint) -> None:
+        tensors = checkpoint.tensors
+        entries = {n: (_dtype_name(n, t), tuple(t.shape)) for n, t in tensors.items()}
+        metadata = {**checkpoint.metadata, INTEGRITY: "-" * 20}  # room for the sum, before it is known
+        slot = self._slots.get(index)
+        file = layout(entries, metadata, slot.header if slot else 0)
+        signature = tuple((e.name, e.dtype, e.shape) for e in file.entries)
+        if slot is None or slot.signature != signature or len(file.prefix) > slot.header:
+            slot = self._map(index, len(file.prefix), file.size - len(file.prefix), signature)
+            file = layout(entries, metadata, slot.header)
+        for entry in file.entries:
+            t = tensors[entry.name]
+            if t.numel():
+                torch.frombuffer(slot.memory, dtype=t.dtype, count=t.numel(), offset=entry.start).view(
+                    t.shape).copy_(t.detach())
+        total = data_sum(slot.memory, slot.header, file.size)
+        slot.memory[:slot.header] = layout(entries, {**checkpoint.metadata, INTEGRITY: str(total)}, slot.header).prefix
+
+    def _map(self, index: int, header: int, data: int, signature: tuple[tuple[str, str, tuple[int, ...]], ...]
+             ) -> Slot:
+        """Slot `index`'s file sized for these tensors and a header of at least `header` bytes, mapped anew."""
+        if (old := self._slots.pop(index, None)) is not None:
+            old.memory.close()
+        header = -(-(header + header // 4) // HEADER_ROOM) * HEADER_ROOM
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.slot_path(index), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, header + data)
+            if header + data:
+                os.posix_fallocate(fd, 0, header + data)  # a full disk: OSError now, not SIGBUS at a copy
+            memory = mmap.mmap(fd, header + data)
+        finally:
+            os.close(fd)
+        self._slots[index] = slot = Slot(memory, header, signature)
+        return slot
+
+
+def slot_index(path: Path) -> int | None:
+    """The slot the link at `path` names, or None (no link, or a file of another kind)."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return None
+    stem, _, rest = Path(target).name.removeprefix(f"{path.stem}.slot").partition(".")
+    return int(stem) if stem.isdigit() and f".{rest}" == path.suffix else None
+
+
+def remove_checkpoint(path: Path) -> None:
+    """The link at `path` and every slot file beside it."""
+    path.unlink(missing_ok=True)
+    for slot in path.parent.glob(f"{path.stem}.slot*{path.suffix}"):
+        slot.unlink(missing_ok=True)
+
+
+def _dtype_name(name: str, t: torch.Tensor) -> str:
+    if t.dtype not in DTYPE_NAMES:
+        raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which safetensors files do not hold here")
+    return DTYPE_NAMES[t.dtype]
+
+
+def whole_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors (copies: the file is written again in place) and metadata of the checkpoint at `path`: the
+    slot it names where that is whole, else the newest whole slot beside it (a crash left the named one partly
+    written back); ValueError where none is. A file without a data sum (written otherwise) is taken as it is."""
+    named = Path(os.path.realpath(path))
+    others = [p for p in path.parent.glob(f"{path.stem}.slot*{path.suffix}") if p != named]
+    found: list[tuple[int, dict[str, torch.Tensor], dict[str, str]]] = []
+    for candidate in (named, *others):
+        try:
+            with safe_open(str(candidate), "pt") as f:
+                meta: dict[str, str] = dict(f.metadata() or {})
+            raw = candidate.read_bytes()
+            header = 8 + int.from_bytes(raw[:8], "little")
+            if INTEGRITY in meta and str(data_sum(raw, header, len(raw))) != meta[INTEGRITY]:
+                raise ValueError("its data does not add up to its header's sum")
+        except (OSError, ValueError, SafetensorError) as err:
+            log.warning("checkpoint %s is not whole (%s): passed over", candidate, err)
+            continue
+        if candidate == named:
+            return {n: t.clone() for n, t in load_file(str(candidate)).items()}, meta
+        found.append((int(meta.get("round", -1)), {n: t.clone() for n, t in load_file(str(candidate)).items()}, meta))
+    if not found:
+        raise ValueError(f"no whole checkpoint at {path}")
+    _, tensors, meta = max(found, key=lambda f: f[0])
+    log.warning("checkpoint %s resumes from round %s, the newest whole one", path, meta.get("round"))
+    return tensors, meta
 
 
 def driver_checkpoint(state: Mapping[str, torch.Tensor], t: int, experiment: str, clients: list[int],
                       seen: Iterable[Identity]) -> Checkpoint:
-    """A driver's state after round t, copied (the next round may change it while it is written), with the
-    identities used in that round."""
-    tensors = {n: v.detach().to("cpu", copy=True).contiguous() for n, v in state.items()}
+    """A driver's state after round t, with the identities used in that round: the state itself, which the
+    checkpoint's `put` (or `write`) copies before the next round may change it."""
+    tensors = {n: v.detach() for n, v in state.items()}
     meta = {"round": str(t), "experiment": experiment, "clients": json.dumps(clients), "seen": json.dumps(sorted(seen))}
     return Checkpoint(tensors, meta)
 
@@ -75,32 +245,34 @@ class DriverCheckpoint:
 
 
 def read_driver_checkpoint(path: Path, experiment: str, clients: list[int]) -> DriverCheckpoint:
-    """A driver's checkpoint; ValueError if it belongs to another experiment or client set."""
-    with safe_open(str(path), "pt") as f:
-        meta: Mapping[str, str] = f.metadata()
+    """A driver's checkpoint (`whole_checkpoint`); ValueError if it belongs to another experiment or client set, or
+    none is whole."""
+    tensors, meta = whole_checkpoint(path)
     if meta.get("experiment") != experiment or json.loads(meta["clients"]) != clients:
         raise ValueError(f"checkpoint {path} belongs to another experiment or client set")
     seen = {(int(r), int(sd), int(t), str(x), int(st), int(pt)) for r, sd, t, x, st, pt in
             json.loads(meta.get("seen", "[]"))}
-    return DriverCheckpoint(load_file(str(path)), int(meta["round"]), seen)
+    return DriverCheckpoint(tensors, int(meta["round"]), seen)
 
 
 class Job(NamedTuple):
-    """A submitted checkpoint: what precedes its write, it, and what follows; `epoch`: CheckpointWriter._epoch."""
+    """A submitted checkpoint: what precedes its naming, its slot, and what follows; `epoch`:
+    CheckpointWriter._epoch."""
 
     epoch: int
     first: Callable[[], object]
-    checkpoint: Checkpoint
+    slot: int
     then: Callable[[], object]
 
 
 class CheckpointWriter:
-    """Writes a runner's checkpoints to `path` on a thread of its own, in the order submitted; before a write, runs
-    what must precede it (awaiting the confirms of the round's messages), after it, what was submitted with it (the
-    acks of the messages it holds). `submit` returns at once unless `pending` checkpoints are not done yet (each
-    holds a copy of the state). An error of a write, or of what follows it, is raised by the first `submit` or `wait`
-    after it happened, and the checkpoints submitted after it and before that are dropped unwritten, their acks unsent
-    (the broker redelivers those messages to the worker that resumes from the last checkpoint on disk). The thread
+    """A runner's checkpoints at `path`: `submit` copies one into a slot (`CheckpointSlots`) on the caller's thread,
+    and a thread of its own names them in the order submitted; before naming one, it runs what must precede it
+    (awaiting the confirms of the round's messages), after, what was submitted with it (the acks of the messages it
+    holds). `submit` returns once its copy is made unless `pending` checkpoints are not done yet (each holds a slot).
+    An error of a copy is raised by its `submit`; one of what precedes or follows a naming by the first `submit` or
+    `wait` after it happened, and the checkpoints submitted after it and before that are dropped unnamed, their acks
+    unsent (the broker redelivers those messages to the worker that resumes from the last checkpoint named). The thread
     lives until `close`: starting one per checkpoint made the round loop wait 2-5 ms a round for it to be scheduled
     on this busy 2-core machine."""
 
@@ -109,6 +281,7 @@ class CheckpointWriter:
             raise ValueError("pending must be at least 1")
         self.path = path
         self.pending = pending
+        self.slots = CheckpointSlots(path, pending + 1)
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._done = threading.Condition()
         self._unfinished = 0  # submitted and not done (written and followed, failed or dropped)
@@ -119,15 +292,16 @@ class CheckpointWriter:
 
     def submit(self, checkpoint: Checkpoint, then: Callable[[], object],
                first: Callable[[], object] = lambda: None) -> None:
-        """After those submitted before: call `first`, write `checkpoint`, then call `then`."""
+        """Copy `checkpoint` into a slot now; after those submitted before, call `first`, name it, then call `then`."""
         self._wait_below(self.pending)
+        slot = self.slots.put(checkpoint)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"checkpoint-{self.path.name}", daemon=True)
             self._thread.start()
         with self._done:
             self._unfinished += 1
             epoch = self._epoch
-        self._jobs.put(Job(epoch, first, checkpoint, then))
+        self._jobs.put(Job(epoch, first, slot, then))
 
     def wait(self) -> None:
         """Until every checkpoint submitted (and what follows it) is done; raises the error of one, if one failed."""
@@ -141,12 +315,18 @@ class CheckpointWriter:
             log.warning("checkpoint %s or the acks after it failed: %s", self.path, err)
 
     def close(self) -> None:
-        """Finish the writes submitted (quietly) and end the thread."""
+        """Finish the checkpoints submitted (quietly), end the thread and unmap the slots."""
         self.wait_quietly()
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join()
             self._thread = None
+        self.slots.close()
+
+    def remove(self) -> None:
+        """`close`, then delete the checkpoint: its link and its slots."""
+        self.close()
+        remove_checkpoint(self.path)
 
     def _wait_below(self, limit: int) -> None:
         """Until fewer than `limit` checkpoints are not done; then raises a failed one's error, once."""
@@ -160,15 +340,19 @@ class CheckpointWriter:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
+            named = False
             try:
                 if job.epoch != self._failed_epoch:  # else submitted behind a failed one, before its error was raised
                     job.first()
-                    job.checkpoint.write(self.path)
+                    self.slots.name(job.slot)
+                    named = True
                     job.then()
             except BaseException as err:  # handed to the runner's thread
                 with self._done:
                     self._error, self._failed_epoch = err, job.epoch
             finally:
+                if not named:
+                    self.slots.release(job.slot)
                 with self._done:
                     self._unfinished -= 1
                     self._done.notify_all()

@@ -317,13 +317,12 @@ class ClientRunner:
         """The experiment is over: delete this worker's queue (a reconnect may have declared it again after the
         topology service deleted it; a queue the topology service declared is its own to delete) and its
         checkpoint."""
-        self.writer.wait_quietly()  # a write in flight would put the checkpoint back
         try:
             if driver.bindings.managed:
                 transport.delete_queue(driver.queue)
         except TransportError as err:
             log.debug("could not delete %s: %s", driver.queue, err)
-        self.checkpoint.unlink(missing_ok=True)
+        self.writer.remove()
         self._report("stopped", detail="the experiment ended while this worker was away")
 
     def _wait_for_go(self) -> None:
