@@ -8,8 +8,9 @@ another with a pause between them as rounds have (`--pause`, 50 ms), alternating
   its header, and `name` points the link at it;
 - `fresh file` (the former writer, kept here as the baseline): a copy of the state, then a new file written from
   that copy and renamed over the checkpoint (on ext4 the rename makes the kernel write the new file back at once).
-Reports each way's CPU a checkpoint (this process: user + system), the machine's busy CPU over the same time (what
-the kernel's writeback adds, and other work on a shared machine), and the bytes the disk was sent (/proc/diskstats,
+Reports each way's CPU a checkpoint (this process, user and system, as the scheduler counts it), the machine's busy
+CPU over the same time (what the kernel's writeback adds, and other work on a shared machine; counted in clock
+ticks, so only the mean of many checkpoints means anything), and the bytes the disk was sent (/proc/diskstats,
 every disk, from the first checkpoint to one second after the last). Every checkpoint is read back and compared.
 Appends one line per way and state to --out, with the commit and the machine's load.
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import tempfile
 import time
@@ -105,11 +105,10 @@ def run(write: Callable[[Checkpoint], None], path: Path, state: dict[str, torch.
     for r in range(checkpoints):
         for t in state.values():
             t.add_(1) if t.is_floating_point() else None
-        usage, machine = resource.getrusage(resource.RUSAGE_SELF), machine_busy()
+        began, machine = time.process_time(), machine_busy()
         write(Checkpoint(state, metadata(r)))
-        after = resource.getrusage(resource.RUSAGE_SELF)
+        own += time.process_time() - began
         busy += machine_busy() - machine
-        own += (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
         if r % 10 == 0:
             back = load_file(str(path))
             assert all(torch.equal(back[n], t) for n, t in state.items()), "a checkpoint did not read back"

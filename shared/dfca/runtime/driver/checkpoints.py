@@ -50,7 +50,8 @@ from dfca.wire.safetensors_layout import DTYPE_NAMES, layout
 log = logging.getLogger(__name__)
 
 PENDING = 1  # checkpoints submitted and not done before `submit` waits: the one being named
-INTEGRITY = "integrity"  # the metadata key of a slot's data sum
+INTEGRITY = "integrity"  # the metadata key of a slot's data sum, 20 digits
+_UNSUMMED = f'"{INTEGRITY}":"{"0" * 20}"'.encode()  # the header's field before the data is summed
 HEADER_ROOM = 4096  # a slot's header is padded to a multiple of this, a quarter more than it needs: the next
 # checkpoint's metadata (the identities used, which vary round to round) fits in it, and its tensors stay put
 
@@ -81,11 +82,11 @@ class Slot(NamedTuple):
 
 
 def data_sum(memory: mmap.mmap | bytes, start: int, end: int) -> int:
-    """The sum of bytes start..end as little-endian 32-bit words (the tail's bytes alone): what a torn write, some
-    pages of this checkpoint and some of the one before, changes."""
-    words = (end - start) // 4
-    total = int(np.frombuffer(memory, dtype="<i4", count=words, offset=start).sum(dtype=np.int64)) if words else 0
-    return total + sum(memory[start + 4 * words:end])
+    """The sum of bytes start..end as little-endian 64-bit words, modulo 2^64 (the tail's bytes added alone): what
+    a torn write, some pages of this checkpoint and some of the one before, changes. 0.11 ms for 3.3 MB here."""
+    words = (end - start) // 8
+    total = int(np.frombuffer(memory, dtype="<u8", count=words, offset=start).sum(dtype=np.uint64)) if words else 0
+    return (total + sum(memory[start + 8 * words:end])) % 2**64
 
 
 class CheckpointSlots:
@@ -141,7 +142,7 @@ class CheckpointSlots:
     def _fill(self, index: int, checkpoint: Checkpoint) -> None:
         tensors = checkpoint.tensors
         entries = {n: (_dtype_name(n, t), tuple(t.shape)) for n, t in tensors.items()}
-        metadata = {**checkpoint.metadata, INTEGRITY: "-" * 20}  # room for the sum, before it is known
+        metadata = {**checkpoint.metadata, INTEGRITY: "0" * 20}  # the sum's room, before it is known
         slot = self._slots.get(index)
         file = layout(entries, metadata, slot.header if slot else 0)
         signature = tuple((e.name, e.dtype, e.shape) for e in file.entries)
@@ -153,8 +154,8 @@ class CheckpointSlots:
             if t.numel():
                 torch.frombuffer(slot.memory, dtype=t.dtype, count=t.numel(), offset=entry.start).view(
                     t.shape).copy_(t.detach())
-        total = data_sum(slot.memory, slot.header, file.size)
-        slot.memory[:slot.header] = layout(entries, {**checkpoint.metadata, INTEGRITY: str(total)}, slot.header).prefix
+        summed = f'"{INTEGRITY}":"{data_sum(slot.memory, slot.header, file.size):020d}"'.encode()
+        slot.memory[:slot.header] = file.prefix.replace(_UNSUMMED, summed, 1)
 
     def _map(self, index: int, header: int, data: int, signature: tuple[tuple[str, str, tuple[int, ...]], ...]
              ) -> Slot:
@@ -211,7 +212,7 @@ def whole_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
                 meta: dict[str, str] = dict(f.metadata() or {})
             raw = candidate.read_bytes()
             header = 8 + int.from_bytes(raw[:8], "little")
-            if INTEGRITY in meta and str(data_sum(raw, header, len(raw))) != meta[INTEGRITY]:
+            if INTEGRITY in meta and f"{data_sum(raw, header, len(raw)):020d}" != meta[INTEGRITY]:
                 raise ValueError("its data does not add up to its header's sum")
         except (OSError, ValueError, SafetensorError) as err:
             log.warning("checkpoint %s is not whole (%s): passed over", candidate, err)
