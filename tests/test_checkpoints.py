@@ -3,6 +3,7 @@ and the writer that acks after each checkpoint is named."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -293,3 +294,22 @@ def test_checkpoints_submitted_behind_a_failed_one_are_dropped_until_its_error_i
     writer.submit(Checkpoint({"w": torch.full((3,), 2.0)}, {}), lambda: acked.append(2))
     writer.wait()
     assert acked == [2] and torch.equal(load_file(str(path))["w"], torch.full((3,), 2.0))
+
+
+def test_a_full_disk_is_raised_by_the_submit_and_names_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot's blocks are allocated before it is mapped: a disk that is full raises OSError from `submit` (a copy
+    into a mapping of blocks that cannot be allocated would kill the process with SIGBUS instead), nothing is
+    named, and the next checkpoint, once there is room, is written."""
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    path = tmp_path / "0.safetensors"
+    writer = CheckpointWriter(path)
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="No space"):
+        writer.submit(Checkpoint({"w": torch.zeros(3)}, {"round": "0"}), lambda: None)
+    assert not path.exists()
+    monkeypatch.undo()
+    writer.submit(Checkpoint({"w": torch.ones(3)}, {"round": "1"}), lambda: None)
+    writer.close()
+    assert torch.equal(load_file(str(path))["w"], torch.ones(3))

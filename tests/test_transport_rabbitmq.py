@@ -18,7 +18,7 @@ from transport_contract import Connect, Names, TransportContract, dead_letter_pa
 from dfca.identity import topics
 from dfca.identity.broker_setup import ensure_broker_topology
 from dfca.transport import Message, RabbitMQTransport, Transport, TransportError, connect_transport
-from dfca.transport.amqp_frames import FrameReadingConnection
+from dfca.transport.amqp_frames import FrameReadingConnection, send_gathered
 from dfca.transport.chunking import CHUNK_COUNT, CHUNK_ID, CHUNK_INDEX
 from dfca.transport.rabbitmq import UNREADABLE_HEADER
 
@@ -131,6 +131,7 @@ def test_deliveries_are_read_by_the_frame_reader_and_arrive_whole(connect: Conne
     connection = transport._conn
     assert isinstance(connection, FrameReadingConnection)
     assert connection.bytes_received > sum(map(len, bodies)) and connection._reader.unread_bytes == 0
+    assert connection._transport._produce.__func__ is send_gathered  # and sent with gathered sends
 
 
 def test_chunked_message_requeues_and_dead_letters_as_a_whole(connect: Connect, names: Names) -> None:

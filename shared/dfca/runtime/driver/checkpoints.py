@@ -28,6 +28,7 @@ acknowledged comes back after a crash, and must be a duplicate then, not a late 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import mmap
@@ -167,13 +168,23 @@ class CheckpointSlots:
         fd = os.open(self.slot_path(index), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, header + data)
-            if header + data:
-                os.posix_fallocate(fd, 0, header + data)  # a full disk: OSError now, not SIGBUS at a copy
+            reserve(fd, header + data)
             memory = mmap.mmap(fd, header + data)
         finally:
             os.close(fd)
         self._slots[index] = slot = Slot(memory, header, signature)
         return slot
+
+
+def reserve(fd: int, size: int) -> None:
+    """The file's blocks allocated now, so that a full disk raises OSError here, not SIGBUS at a copy into its
+    mapping; where the system or file system cannot (macOS, some network file systems), nothing."""
+    if size and hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as err:
+            if err.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
 
 
 def slot_index(path: Path) -> int | None:
