@@ -123,8 +123,13 @@ def test_a_slot_a_crash_left_partly_written_is_passed_over(tmp_path: Path, caplo
         restored = read_driver_checkpoint(path, "exp", [0])
     assert restored.round == 1 and torch.equal(restored.tensors["w"], torch.full((4096,), 1.0))
     assert "not whole" in caplog.text and "resumes from round 1" in caplog.text
-    other = path.parent / "0.slot1.safetensors"
-    other.write_bytes(other.read_bytes()[:-8] + bytes(8))
+    assert os.readlink(path) == "0.slot1.safetensors"  # named again: the next checkpoint overwrites the torn one
+    writer = CheckpointWriter(path)
+    writer.submit(driver_checkpoint({"w": torch.full((4096,), 2.0)}, 2, "exp", [0], []), lambda: None)
+    writer.close()
+    assert os.readlink(path) == named.name and read_driver_checkpoint(path, "exp", [0]).round == 2
+    for slot in tmp_path.glob("0.slot*.safetensors"):
+        slot.write_bytes(slot.read_bytes()[:-8] + bytes(8))
     with pytest.raises(ValueError, match="no whole checkpoint"):
         read_driver_checkpoint(path, "exp", [0])
 

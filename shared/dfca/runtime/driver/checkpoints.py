@@ -101,7 +101,6 @@ class CheckpointSlots:
         self.path, self.count = path, count
         self._slots: dict[int, Slot] = {}
         self._lock = threading.Lock()
-        self._named = slot_index(path)  # the slot the link names now, if any
         self._filling: set[int] = set()  # put and not yet named or released
 
     def slot_path(self, index: int) -> Path:
@@ -109,8 +108,8 @@ class CheckpointSlots:
 
     def put(self, checkpoint: Checkpoint) -> int:
         """Copy `checkpoint` into a free slot, its data sum in its header; returns the slot's index."""
-        with self._lock:
-            index = min(set(range(self.count)) - {self._named} - self._filling)
+        with self._lock:  # the link read now: a restore may have named another slot since this was made
+            index = min(set(range(self.count)) - {slot_index(self.path)} - self._filling)
             self._filling.add(index)
         try:
             self._fill(index, checkpoint)
@@ -121,12 +120,8 @@ class CheckpointSlots:
 
     def name(self, index: int) -> None:
         """Replace the link at `path` by one to slot `index`, atomically."""
-        link = self.path.with_name(f"{self.path.name}.link")
-        link.unlink(missing_ok=True)  # one a crash left between its creation and its rename
-        os.symlink(self.slot_path(index).name, link)
-        os.replace(link, self.path)
+        name_slot(self.path, self.slot_path(index))
         with self._lock:
-            self._named = index
             self._filling.discard(index)
 
     def release(self, index: int) -> None:
@@ -187,6 +182,14 @@ def reserve(fd: int, size: int) -> None:
                 raise
 
 
+def name_slot(path: Path, slot: Path) -> None:
+    """Point the link at `path` to `slot` (a file beside it): a new link renamed over the old one."""
+    link = path.with_name(f"{path.name}.link")
+    link.unlink(missing_ok=True)  # one a crash left between its creation and its rename
+    os.symlink(slot.name, link)
+    os.replace(link, path)
+
+
 def slot_index(path: Path) -> int | None:
     """The slot the link at `path` names, or None (no link, or a file of another kind)."""
     try:
@@ -213,10 +216,11 @@ def _dtype_name(name: str, t: torch.Tensor) -> str:
 def whole_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors (copies: the file is written again in place) and metadata of the checkpoint at `path`: the
     slot it names where that is whole, else the newest whole slot beside it (a crash left the named one partly
-    written back); ValueError where none is. A file without a data sum (written otherwise) is taken as it is."""
+    written back), which the link then names, so that the next checkpoint overwrites the torn one; ValueError where
+    none is. A file without a data sum (written otherwise) is taken as it is."""
     named = Path(os.path.realpath(path))
-    others = [p for p in path.parent.glob(f"{path.stem}.slot*{path.suffix}") if p != named]
-    found: list[tuple[int, dict[str, torch.Tensor], dict[str, str]]] = []
+    others = [p for p in path.parent.glob(f"{path.stem}.slot*{path.suffix}") if p.resolve() != named]
+    found: list[tuple[int, Path, dict[str, torch.Tensor], dict[str, str]]] = []
     for candidate in (named, *others):
         try:
             with safe_open(str(candidate), "pt") as f:
@@ -230,10 +234,12 @@ def whole_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
             continue
         if candidate == named:
             return {n: t.clone() for n, t in load_file(str(candidate)).items()}, meta
-        found.append((int(meta.get("round", -1)), {n: t.clone() for n, t in load_file(str(candidate)).items()}, meta))
+        found.append((int(meta.get("round", -1)), candidate,
+                      {n: t.clone() for n, t in load_file(str(candidate)).items()}, meta))
     if not found:
         raise ValueError(f"no whole checkpoint at {path}")
-    _, tensors, meta = max(found, key=lambda f: f[0])
+    _, whole, tensors, meta = max(found, key=lambda f: f[0])
+    name_slot(path, whole)
     log.warning("checkpoint %s resumes from round %s, the newest whole one", path, meta.get("round"))
     return tensors, meta
 
