@@ -90,7 +90,7 @@ def chunks(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
     for name, t in tensors.items():
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"tensor {name!r} must be a contiguous CPU tensor")
-    file = layout({n: (_dtype_name(n, t), tuple(t.shape)) for n, t in tensors.items()}, metadata)
+    file = layout({n: (dtype_name(n, t), tuple(t.shape)) for n, t in tensors.items()}, metadata)
     return [file.prefix, *(byte_view(tensors[e.name]) for e in file.entries)]
 
 
@@ -104,7 +104,8 @@ def to_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | 
     return b"".join(chunks(tensors, metadata))
 
 
-def _dtype_name(name: str, t: torch.Tensor) -> str:
+def dtype_name(name: str, t: torch.Tensor) -> str:
+    """safetensors' name of the tensor's dtype ("F32", "I8", ...); ValueError for one its files do not hold."""
     if t.dtype not in DTYPE_NAMES:
         raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which safetensors files do not hold here")
     return DTYPE_NAMES[t.dtype]

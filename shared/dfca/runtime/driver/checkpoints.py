@@ -9,7 +9,7 @@ named, or before the first, none.
 - Writing in place allocates no page and starts no writeback: the kernel writes a slot's dirty pages back when it
   flushes, seconds later, not every round. The copy into the mapping is the only copy: the state is not copied
   first and then written. Against a fresh file renamed over the old one (which made ext4 write every checkpoint
-  back at once, `auto_da_alloc`), a worker's 3.3 MB checkpoint took 1.7 ms of CPU in place of 3.1-3.2 ms
+  back at once, `auto_da_alloc`), a worker's 3.3 MB checkpoint took 2.0 ms of CPU in place of 3.1 ms
   (`benchmarks/checkpoint_writes.py`).
 - What a machine that crashes loses is what it had not written back. A slot the crash left partly written is
   found out: each slot's header holds a sum of its data (`integrity`), checked on reading, and the reader falls
@@ -46,7 +46,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from dfca.runtime.driver.ledger import Identity
-from dfca.wire.safetensors_layout import DTYPE_NAMES, layout
+from dfca.wire.safetensors_layout import dtype_name, layout
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class CheckpointSlots:
 
     def _fill(self, index: int, checkpoint: Checkpoint) -> None:
         tensors = checkpoint.tensors
-        entries = {n: (_dtype_name(n, t), tuple(t.shape)) for n, t in tensors.items()}
+        entries = {n: (dtype_name(n, t), tuple(t.shape)) for n, t in tensors.items()}
         metadata = {**checkpoint.metadata, INTEGRITY: "0" * 20}  # the sum's room, before it is known
         slot = self._slots.get(index)
         file = layout(entries, metadata, slot.header if slot else 0)
@@ -205,12 +205,6 @@ def remove_checkpoint(path: Path) -> None:
     path.unlink(missing_ok=True)
     for slot in path.parent.glob(f"{path.stem}.slot*{path.suffix}"):
         slot.unlink(missing_ok=True)
-
-
-def _dtype_name(name: str, t: torch.Tensor) -> str:
-    if t.dtype not in DTYPE_NAMES:
-        raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which safetensors files do not hold here")
-    return DTYPE_NAMES[t.dtype]
 
 
 def whole_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -317,6 +317,7 @@ class ClientRunner:
         """The experiment is over: delete this worker's queue (a reconnect may have declared it again after the
         topology service deleted it; a queue the topology service declared is its own to delete) and its
         checkpoint."""
+        self.writer.wait_quietly()  # the acks that follow a checkpoint in flight need the queue
         try:
             if driver.bindings.managed:
                 transport.delete_queue(driver.queue)
