@@ -104,7 +104,8 @@ def run(write: Callable[[Checkpoint], None], path: Path, state: dict[str, torch.
     disk_before = disk_bytes_written()
     for r in range(checkpoints):
         for t in state.values():
-            t.add_(1) if t.is_floating_point() else None
+            if t.is_floating_point():
+                t.add_(1)
         began, machine = time.process_time(), machine_busy()
         write(Checkpoint(state, metadata(r)))
         own += time.process_time() - began
