@@ -42,8 +42,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
+from safetensors import SafetensorError
+from safetensors.torch import load
 
 from dfca.runtime.driver.ledger import Identity
 from dfca.wire.safetensors_layout import dtype_name, layout
@@ -216,20 +216,19 @@ def whole_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
     others = [p for p in path.parent.glob(f"{path.stem}.slot*{path.suffix}") if p.resolve() != named]
     found: list[tuple[int, Path, dict[str, torch.Tensor], dict[str, str]]] = []
     for candidate in (named, *others):
-        try:
-            with safe_open(str(candidate), "pt") as f:
-                meta: dict[str, str] = dict(f.metadata() or {})
+        try:  # read once: the tensors safetensors loads from bytes are copies of their own
             raw = candidate.read_bytes()
             header = 8 + int.from_bytes(raw[:8], "little")
+            meta: dict[str, str] = dict(json.loads(raw[8:header]).get("__metadata__") or {})
             if INTEGRITY in meta and f"{data_sum(raw, header, len(raw)):020d}" != meta[INTEGRITY]:
                 raise ValueError("its data does not add up to its header's sum")
+            tensors = load(raw)
         except (OSError, ValueError, SafetensorError) as err:
             log.warning("checkpoint %s is not whole (%s): passed over", candidate, err)
             continue
         if candidate == named:
-            return {n: t.clone() for n, t in load_file(str(candidate)).items()}, meta
-        found.append((int(meta.get("round", -1)), candidate,
-                      {n: t.clone() for n, t in load_file(str(candidate)).items()}, meta))
+            return tensors, meta
+        found.append((int(meta.get("round", -1)), candidate, tensors, meta))
     if not found:
         raise ValueError(f"no whole checkpoint at {path}")
     _, whole, tensors, meta = max(found, key=lambda f: f[0])
