@@ -10,8 +10,11 @@ MLP (k=2 clusters, 8-bit codes, the default payload dtype):
 each the median of `--repeats` timings of `--loops` calls, alternating the two ways; and stacking and dequantizing
 alone, the inbox `stacked` builds from the 16 payloads decoded one at a time (each message's codes stacked again)
 against those decoded together (the batch's rows taken at once); the checksum (BLAKE3) alone is timed beside them
-(the part of a message's cost no batch shares). Both ways must give the same bytes and values, or
-the run fails. Appends one line per case, with the commit and the machine's load, to --out.
+(the part of a message's cost no batch shares); and dequantizing the 16 arrivals' first-layer codes, as
+`dequantize` does (a float32 copy, scaled in place) against `torch.mul(codes, scales)` (one pass, each code
+converted as it is read), each call after the caches are flushed, as a driver meets a fresh batch. Both ways
+must give the same bytes and values, or the run fails. Appends one line per case, with the commit and the
+machine's load, to --out.
 
     python benchmarks/wire_batches.py [--cases runtime,demo] [--rows 8] [--out FILE]
 
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 from resumable_runs import RESULTS, append_stamped
 
+from dfca.core.quantize import dequantize
 from dfca.identity import topics
 from dfca.wire.batches import decode_messages, encode_rows
 from dfca.wire.codec import (
@@ -69,6 +73,23 @@ def timings(calls: dict[str, Callable[[], Any]], repeats: int, loops: int) -> di
             for _ in range(loops):
                 call()
             seen[name].append((time.perf_counter() - began) / loops)
+    return {name: statistics.median(values) for name, values in seen.items()}
+
+
+def cold_timings(calls: dict[str, Callable[[], Any]], repeats: int, loops: int) -> dict[str, float]:
+    """Median seconds per call of each, the caches flushed before every call (a 32 MB buffer written), the ways
+    alternating."""
+    flush = torch.empty(8 << 20)
+    seen: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            spent = 0.0
+            for _ in range(loops):
+                flush.fill_(1.0)
+                began = time.perf_counter()
+                call()
+                spent += time.perf_counter() - began
+            seen[name].append(spent / loops)
     return {name: statistics.median(values) for name, values in seen.items()}
 
 
@@ -113,13 +134,20 @@ def measure(case: str, rows: int, repeats: int, loops: int) -> dict[str, Any]:
     stack = timings({"alone": lambda: [stacked([e.tensors for e in decoded_alone], n) for n in spec],
                      "together": lambda: [stacked([e.tensors for e in decoded_together], n) for n in spec]},
                     repeats, loops)
+    first = next(n for n in spec if n.endswith("w1"))
+    codes, scales = quantize_rows(spec, {n: t[:ARRIVALS] for n, t in tensors.items()}, torch.int8)[first]
+    if not torch.equal(dequantize(codes, scales), torch.mul(codes, scales.unsqueeze(-1))):
+        raise AssertionError(f"{case}: the two ways of dequantizing gave other values")
+    dequantized = cold_timings({"copy then scale": lambda: dequantize(codes, scales),
+                                "one pass": lambda: torch.mul(codes, scales.unsqueeze(-1))}, repeats, loops)
     body = arrived[0][1]
     hashed = timings({"checksum": lambda: [checksum(b) for _, b, _ in arrived]}, repeats, loops)["checksum"]
     return {"case": case, "hidden": HIDDEN[case], "body_bytes": len(body), "rows": rows, "arrivals": ARRIVALS,
             "encode_seconds_per_message": {k: v / rows for k, v in encode.items()},
             "decode_seconds_per_message": {k: v / ARRIVALS for k, v in decode.items()},
             "stack_seconds_per_message": {k: v / ARRIVALS for k, v in stack.items()},
-            "checksum_seconds_per_message": hashed / ARRIVALS}
+            "checksum_seconds_per_message": hashed / ARRIVALS,
+            "dequantize_seconds_per_message": {k: v / ARRIVALS for k, v in dequantized.items()}}
 
 
 def main() -> None:
@@ -137,14 +165,17 @@ def main() -> None:
     print(f"microseconds per message, medians of {args.repeats} x {args.loops} calls, one thread; 8-bit gossip "
           f"payloads, k={K}; an outbox of {args.rows} encoded, {ARRIVALS} arrivals decoded, stacked and dequantized:\n")
     print("| case | body | encode: one at a time | together | ratio | decode: one at a time | together | ratio | "
-          "of which stacking: one at a time | together | ratio | checksum alone |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "of which stacking: one at a time | together | ratio | checksum alone | dequantizing the first layer, cold: "
+          "copy then scale | one pass |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         e, d, st = r["encode_seconds_per_message"], r["decode_seconds_per_message"], r["stack_seconds_per_message"]
+        q = r["dequantize_seconds_per_message"]
         print(f"| {r['case']} | {r['body_bytes'] / 1e3:.0f} kB | {e['alone'] * 1e6:.0f} | {e['together'] * 1e6:.0f} | "
               f"{e['alone'] / e['together']:.2f}x | {d['alone'] * 1e6:.0f} | {d['together'] * 1e6:.0f} | "
               f"{d['alone'] / d['together']:.2f}x | {st['alone'] * 1e6:.0f} | {st['together'] * 1e6:.0f} | "
-              f"{st['alone'] / st['together']:.2f}x | {r['checksum_seconds_per_message'] * 1e6:.0f} |")
+              f"{st['alone'] / st['together']:.2f}x | {r['checksum_seconds_per_message'] * 1e6:.0f} | "
+              f"{q['copy then scale'] * 1e6:.0f} | {q['one pass'] * 1e6:.0f} |")
     print(f"\nappended to {args.out} (commit {stamp['commit']}, load {load_before:.2f} -> {stamp['load_after']:.2f})")
 
 

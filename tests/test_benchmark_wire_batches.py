@@ -16,4 +16,5 @@ def test_the_benchmark_times_both_ways_for_each_case_and_records_them(tmp_path: 
     for way in ("encode_seconds_per_message", "decode_seconds_per_message", "stack_seconds_per_message"):
         assert set(row[way]) == {"alone", "together"} and all(v > 0 for v in row[way].values())
     assert row["checksum_seconds_per_message"] > 0
+    assert set(row["dequantize_seconds_per_message"]) == {"copy then scale", "one pass"}
     assert "| runtime | 109 kB |" in printed
