@@ -231,7 +231,15 @@ class SeedCandidates:
         return self._stacked(origins)
 
     def _build_models(self) -> Params:
-        return self._received(self._stacked(self.origin.tolist()), (self.origin != self.clients).nonzero().squeeze(1))
+        origins = self.origin.tolist()
+        return self._received(self._stacked(origins), self._relayed_here(origins))
+
+    def _relayed_here(self, origins: list[int]) -> Tensor:
+        """The rows [R] of `origins` (one per row) whose candidate is another client's hosted here: its local model,
+        which a receiver holds rounded. A copy that arrived from another host is as received already (rounding it
+        again gives the same values), so it is not rounded again."""
+        relayed = [r for r, o in enumerate(origins) if o in self.row and o != int(self.clients[r])]
+        return torch.tensor(relayed, dtype=torch.long, device=self.origin.device)
 
     def _stacked(self, origins: list[int]) -> Params:
         """[len(origins), ...]: the model this host keeps of each origin's candidate (`kept_model`), a new tensor."""
@@ -284,8 +292,10 @@ class SeedCandidates:
             if rows.numel() == 0:
                 break
             if check is not None:
-                held = self._received(self._stacked(origin[pick].tolist()), torch.arange(pick.shape[0],
-                                                                                         device=pick.device))
+                picked = origin[pick].tolist()
+                hosted = torch.tensor([r for r, o in enumerate(picked) if o in self.row], dtype=torch.long,
+                                      device=pick.device)  # another host's copies arrived rounded
+                held = self._received(self._stacked(picked), hosted)
                 ok = check(rows, held)  # as the rows would hold them
                 if not bool(ok.all()):
                     refused_origins = origin[pick[~ok]]
