@@ -238,7 +238,8 @@ class SeedCandidates:
         """The rows [R] of `origins` (one per row) whose candidate is another client's hosted here: its local model,
         which a receiver holds rounded. A copy that arrived from another host is as received already (rounding it
         again gives the same values), so it is not rounded again."""
-        relayed = [r for r, o in enumerate(origins) if o in self.row and o != int(self.clients[r])]
+        relayed = [r for r, (o, own) in enumerate(zip(origins, self.clients.tolist(), strict=True))
+                   if o in self.row and o != own]
         return torch.tensor(relayed, dtype=torch.long, device=self.origin.device)
 
     def _stacked(self, origins: list[int]) -> Params:
