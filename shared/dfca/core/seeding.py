@@ -231,16 +231,7 @@ class SeedCandidates:
         return self._stacked(origins)
 
     def _build_models(self) -> Params:
-        origins = self.origin.tolist()
-        return self._received(self._stacked(origins), self._relayed_here(origins))
-
-    def _relayed_here(self, origins: list[int]) -> Tensor:
-        """The rows [R] of `origins` (one per row) whose candidate is another client's hosted here: its local model,
-        which a receiver holds rounded. A copy that arrived from another host is as received already (rounding it
-        again gives the same values), so it is not rounded again."""
-        relayed = [r for r, (o, own) in enumerate(zip(origins, self.clients.tolist(), strict=True))
-                   if o in self.row and o != own]
-        return torch.tensor(relayed, dtype=torch.long, device=self.origin.device)
+        return self._held(self.origin.tolist(), self.clients.tolist())
 
     def _stacked(self, origins: list[int]) -> Params:
         """[len(origins), ...]: the model this host keeps of each origin's candidate (`kept_model`), a new tensor."""
@@ -250,12 +241,18 @@ class SeedCandidates:
         chosen = [self.kept_model(o) for o in origins]
         return {n: torch.stack([c[n] for c in chosen]) for n in self.local}
 
-    def _received(self, models: Params, rows: Tensor) -> Params:
-        """`models` with rows `rows` as a receiver holds them (the wire's rounding, idempotent), in place."""
-        if self.wire is not None and rows.numel():
-            received = self.wire({n: v.index_select(0, rows) for n, v in models.items()})
+    def _held(self, origins: list[int], own: list[int] | None = None) -> Params:
+        """[len(origins), ...]: the model of each origin's candidate as a receiver holds it, a new tensor. A model
+        hosted here (the origin's local model) is rounded by the wire, except in a row whose own it is (`own`: each
+        row's client); a copy that arrived from another host is as it arrived: it is on the wire's grid already, and
+        rounding it again gives the same values."""
+        models = self._stacked(origins)
+        rows = [r for r, o in enumerate(origins) if o in self.row and (own is None or o != own[r])]
+        if self.wire is not None and rows:
+            index = torch.tensor(rows, device=self.origin.device)
+            received = self.wire({n: v.index_select(0, index) for n, v in models.items()})
             for n, v in models.items():
-                v.index_copy_(0, rows, received[n].to(v.dtype))
+                v.index_copy_(0, index, received[n].to(v.dtype))
         return models
 
     def offer(self, delivered: Tensor, score: Tensor, origin: Tensor, models: Mapping[str, Tensor],
@@ -293,11 +290,7 @@ class SeedCandidates:
             if rows.numel() == 0:
                 break
             if check is not None:
-                picked = origin[pick].tolist()
-                hosted = torch.tensor([r for r, o in enumerate(picked) if o in self.row], dtype=torch.long,
-                                      device=pick.device)  # another host's copies arrived rounded
-                held = self._received(self._stacked(picked), hosted)
-                ok = check(rows, held)  # as the rows would hold them
+                ok = check(rows, self._held(origin[pick].tolist()))  # as the rows would hold them
                 if not bool(ok.all()):
                     refused_origins = origin[pick[~ok]]
                     delivered[rows[~ok]] &= origin.unsqueeze(0) != refused_origins.unsqueeze(1)
