@@ -200,10 +200,15 @@ def slot_index(path: Path) -> int | None:
     return int(stem) if stem.isdigit() and f".{rest}" == path.suffix else None
 
 
+def slot_files(path: Path) -> list[Path]:
+    """The slot files beside the link at `path` (`CheckpointSlots.slot_path`'s names)."""
+    return list(path.parent.glob(f"{path.stem}.slot*{path.suffix}"))
+
+
 def remove_checkpoint(path: Path) -> None:
     """The link at `path` and every slot file beside it."""
     path.unlink(missing_ok=True)
-    for slot in path.parent.glob(f"{path.stem}.slot*{path.suffix}"):
+    for slot in slot_files(path):
         slot.unlink(missing_ok=True)
 
 
@@ -213,7 +218,7 @@ def whole_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
     written back), which the link then names, so that the next checkpoint overwrites the torn one; ValueError where
     none is. A file without a data sum (written otherwise) is taken as it is."""
     named = Path(os.path.realpath(path))
-    others = [p for p in path.parent.glob(f"{path.stem}.slot*{path.suffix}") if p.resolve() != named]
+    others = [p for p in slot_files(path) if p.resolve() != named]
     found: list[tuple[int, Path, dict[str, torch.Tensor], dict[str, str]]] = []
     for candidate in (named, *others):
         try:  # read once: the tensors safetensors loads from bytes are copies of their own
