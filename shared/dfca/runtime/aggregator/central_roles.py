@@ -34,7 +34,7 @@ from dfca.devices import resolve_device
 from dfca.identity import topics
 from dfca.models.build import model_from_config
 from dfca.models.factory import allowed_factories
-from dfca.runtime.driver.checkpoints import remove_checkpoint
+from dfca.runtime.driver.checkpoints import CheckpointSlots, remove_checkpoint
 from dfca.runtime.driver.host_transport import HostTransport, RunInterrupted
 from dfca.runtime.driver.message_driver import MessageDriver
 from dfca.runtime.protocol.messages import TERMINAL_STATUSES, StartCommand
@@ -104,6 +104,7 @@ class ServerRole:
                                hosts=None if placement is None else placement.hosts)
         self.driver = driver
         finished = False
+        slots = None if self.checkpoint is None else CheckpointSlots(self.checkpoint)  # mapped once, written each round
         try:
             driver.setup()
             start = 0
@@ -113,8 +114,8 @@ class ServerRole:
                          start, self.checkpoint)
             for t in range(start, driver.schedule.total_rounds):
                 driver.run_round(t, cfg.runtime.round_timeout)
-                if self.checkpoint is not None:
-                    driver.save_checkpoint(self.checkpoint)
+                if slots is not None:
+                    slots.name(slots.put(driver.checkpoint()))
                 transport.flush_acks()
             finished = True
             log.info("experiment %s: %s server done after %d rounds (%s)", self.experiment, cfg.algorithm,
@@ -122,6 +123,8 @@ class ServerRole:
         except RunInterrupted:
             log.info("experiment %s: %s server stops at round %d", self.experiment, cfg.algorithm, driver.round)
         finally:
+            if slots is not None:
+                slots.close()
             if finished or not self.leaving:
                 self.forget()
 
