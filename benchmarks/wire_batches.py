@@ -64,28 +64,17 @@ def outbox(spec: dict[str, TensorSpec], rows: int) -> dict[str, torch.Tensor]:
     return {n: draw[s.kind](rows, *s.shape, generator=g) for n, s in spec.items()}
 
 
-def timings(calls: dict[str, Callable[[], Any]], repeats: int, loops: int) -> dict[str, float]:
-    """Median seconds per call of each, the ways alternating within every repeat."""
-    seen: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            began = time.perf_counter()
-            for _ in range(loops):
-                call()
-            seen[name].append((time.perf_counter() - began) / loops)
-    return {name: statistics.median(values) for name, values in seen.items()}
-
-
-def cold_timings(calls: dict[str, Callable[[], Any]], repeats: int, loops: int) -> dict[str, float]:
-    """Median seconds per call of each, the caches flushed before every call (a 32 MB buffer written), the ways
-    alternating."""
-    flush = torch.empty(8 << 20)
+def timings(calls: dict[str, Callable[[], Any]], repeats: int, loops: int, cold: bool = False) -> dict[str, float]:
+    """Median seconds per call of each, the ways alternating within every repeat; `cold`: the caches flushed before
+    every call (a 32 MB buffer written), which is not timed."""
+    flush = torch.empty(8 << 20) if cold else None
     seen: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
             spent = 0.0
             for _ in range(loops):
-                flush.fill_(1.0)
+                if flush is not None:
+                    flush.fill_(1.0)
                 began = time.perf_counter()
                 call()
                 spent += time.perf_counter() - began
@@ -138,8 +127,8 @@ def measure(case: str, rows: int, repeats: int, loops: int) -> dict[str, Any]:
     codes, scales = quantize_rows(spec, {n: t[:ARRIVALS] for n, t in tensors.items()}, torch.int8)[first]
     if not torch.equal(dequantize(codes, scales), torch.mul(codes, scales.unsqueeze(-1))):
         raise AssertionError(f"{case}: the two ways of dequantizing gave other values")
-    dequantized = cold_timings({"copy then scale": lambda: dequantize(codes, scales),
-                                "one pass": lambda: torch.mul(codes, scales.unsqueeze(-1))}, repeats, loops)
+    dequantized = timings({"copy then scale": lambda: dequantize(codes, scales),
+                           "one pass": lambda: torch.mul(codes, scales.unsqueeze(-1))}, repeats, loops, cold=True)
     body = arrived[0][1]
     hashed = timings({"checksum": lambda: [checksum(b) for _, b, _ in arrived]}, repeats, loops)["checksum"]
     return {"case": case, "hidden": HIDDEN[case], "body_bytes": len(body), "rows": rows, "arrivals": ARRIVALS,
