@@ -40,7 +40,7 @@ def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
 def dequantize(codes: Tensor, scale: Tensor) -> Tensor:
     """The float32 tensor that (codes, scale) stand for: a float32 copy of the codes, scaled in place. Both passes
     are vectorised; `torch.mul(codes, scale)` does it in one pass but converts each int8 code on its own, and took
-    1.6-1.7x as long on one thread for a batch of arrivals read from flushed caches, as a driver meets them
+    1.1-1.7x as long on one thread for a batch of arrivals read from flushed caches, as a driver meets them
     (`benchmarks/wire_batches.py`)."""
     return codes.to(torch.float32, copy=True).mul_(scale.float().unsqueeze(-1) if codes.dim() else scale.float())
 
