@@ -1,6 +1,7 @@
 """The distributed runtime against its baselines, in one run, on a real RabbitMQ.
 
-1. Seconds per round: the runtime (3 worker processes, started like `dfca up`) against the simulator,
+1. Seconds per round: the runtime (`--workers` worker processes, by default as many as `dfca up` starts: one per
+   core, at most 3; started like `dfca up`) against the simulator,
    on the same config (rotated MNIST k=2, 24 clients, ER p=0.5, MLP). Steady state: round 1 (start
    barrier, consumer start-up) is left out of both; every round evaluates in both (the simulator also
    computes its consensus metrics). The simulator's figure is its best of two runs.
@@ -9,7 +10,7 @@
    the same (BlockingConnection, confirm_delivery, persistent, manual acks, same prefetch). One publisher
    thread, one consumer thread, MB/s from the first publish to the last ack.
 
-    python benchmarks/runtime_benchmark.py [--broker URL] [--rounds 12] [--messages 300]
+    python benchmarks/runtime_benchmark.py [--broker URL] [--rounds 12] [--messages 300] [--workers N]
 
 On a machine shared with other work, `--private-broker --favoured` measures as a machine to itself would: a RabbitMQ
 node of the run's own, and the run's processes (simulator, services, broker) scheduled ahead of the other sessions.
@@ -50,7 +51,7 @@ from resumable_runs import commit  # noqa: E402
 
 import dfca  # noqa: E402
 from dfca.algorithms import schedule_of  # noqa: E402
-from dfca.cli.launcher import Stack, StackOptions  # noqa: E402
+from dfca.cli.launcher import Stack, StackOptions, default_workers  # noqa: E402
 from dfca.config import ExperimentConfig  # noqa: E402
 from dfca.data import build_federated_data  # noqa: E402
 from dfca.graph import build_graph, neighbours  # noqa: E402
@@ -69,6 +70,7 @@ from harness.lockstep import LockstepRun, client_driver, lockstep_round  # noqa:
 
 TOKEN = "benchmark"
 CPU_SAMPLE_S = 0.05  # how often CpuTrace reads the processes' CPU seconds
+WORKERS = 3  # the runtime's workers where a caller names none: 8 of the 24 clients each (junk_flood, screen cost)
 GOAL_RATIO = 2.5  # the goal on 2 cores: a runtime round at most this many times the simulator's same-work round
 
 
@@ -120,7 +122,8 @@ def simulator_round_seconds(cfg: dict[str, Any], repeats: int = 2) -> SimulatorR
 
 @contextlib.contextmanager
 def one_thread() -> Iterator[None]:
-    """torch computes on one thread inside (as each of the runtime's 3 workers does, OMP_NUM_THREADS=1)."""
+    """torch computes on one thread inside (as each of the runtime's workers does where they are at least as many
+    as the cores, OMP_NUM_THREADS=1)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -136,7 +139,7 @@ class DriversFloor(NamedTuple):
     phases_cpu: dict[str, float]  # DriverStats.cpu_seconds per round, summed over the drivers
 
 
-def drivers_floor(cfg: dict[str, Any], workers: int = 3) -> DriversFloor:
+def drivers_floor(cfg: dict[str, Any], workers: int = WORKERS) -> DriversFloor:
     """What the runtime's message drivers cost on their own: `workers` drivers (client c on driver c % workers, as the
     workers split them) in one process and one thread, in lockstep over the in-memory transport, so no broker, AMQP
     client, checkpoint, service or waiting. The accuracy is the simulator's: the same run. What a runtime round costs
@@ -313,11 +316,12 @@ class RuntimeProfile(NamedTuple):
 
 
 def runtime_profile(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
-                    during: Callable[[str], Callable[[], None]] | None = None) -> RuntimeProfile:
+                    during: Callable[[str], Callable[[], None]] | None = None, workers: int = WORKERS
+                    ) -> RuntimeProfile:
     """One runtime run (`runtime_run`), every figure over the same steady-state rounds: from the first round's end
     to the last's."""
     cpu: list[CpuTrace] = []
-    summary, reports = runtime_run(cfg, broker, state_dir, broker_users, during, cpu)
+    summary, reports = runtime_run(cfg, broker, state_dir, broker_users, during, cpu, workers)
     done_at: dict[int, float] = {}
     first: dict[int, Any] = {}
     last: dict[int, Any] = {}
@@ -369,14 +373,14 @@ def needed_deliveries(cfg: dict[str, Any], published: dict[int, float]) -> float
 
 
 def runtime_run(cfg: dict[str, Any], broker: str, state_dir: Path, broker_users: dict[str, str] | None = None,
-                during: Callable[[str], Callable[[], None]] | None = None, cpu: list[CpuTrace] | None = None
-                ) -> tuple[dict[str, Any], list[Any]]:
-    """One run on a fresh 3-worker stack: (the metrics service's summary, the stored round reports). `cpu`, if
-    given, receives a CpuTrace of the run, from the experiment's start to its end, of the workers, the other
+                during: Callable[[str], Callable[[], None]] | None = None, cpu: list[CpuTrace] | None = None,
+                workers: int = WORKERS) -> tuple[dict[str, Any], list[Any]]:
+    """One run on a fresh stack of `workers` workers: (the metrics service's summary, the stored round reports).
+    `cpu`, if given, receives a CpuTrace of the run, from the experiment's start to its end, of the workers, the other
     services (topology, metrics) and the RabbitMQ node serving `broker` (broker_pids)."""
-    options = StackOptions(workers=3, broker_url=broker, topology_port=free_port(), metrics_port=free_port(),
-                           worker_port_base=free_port_block(3), api_token=TOKEN, state_dir=state_dir, log_to_files=True,
-                           log_level="WARNING", broker_users=broker_users)
+    options = StackOptions(workers=workers, broker_url=broker, topology_port=free_port(), metrics_port=free_port(),
+                           worker_port_base=free_port_block(workers), api_token=TOKEN, state_dir=state_dir,
+                           log_to_files=True, log_level="WARNING", broker_users=broker_users)
     stack = Stack(options)
     stop = threading.Event()
     stack.start()
@@ -663,6 +667,9 @@ def main() -> None:
     parser.add_argument("--broker", default=benchmark_broker_url())
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--messages", type=int, default=300)
+    parser.add_argument("--workers", type=int, default=default_workers(),
+                        help="worker processes of the runtime (and message drivers alone), the clients split over them "
+                             "(default: as `dfca up` starts them here, one per core, at most 3)")
     parser.add_argument("--skip-rounds", action="store_true", help="only the exchange benchmark")
     parser.add_argument("--skip-exchange", action="store_true", help="only the seconds per round")
     parser.add_argument("--traffic", choices=["lean", "full"], default="lean", help="dfca.traffic of the run")
@@ -713,16 +720,17 @@ def measure(args: argparse.Namespace, favour: bool) -> None:
         with (tempfile.TemporaryDirectory() as tmp,
               left_over_queues(args.broker, args.left_over_queues, args.left_over_binding)):
             record["idle_service_queues"] = idle_service_queues()
-            profile = runtime_profile(cfg, args.broker, Path(tmp))
+            profile = runtime_profile(cfg, args.broker, Path(tmp), workers=args.workers)
         run_s, run_acc, phases, cpu, by_phase = (profile.seconds, profile.accuracy, profile.phases, profile.cpu,
                                                  profile.by_kind)
         record["deliveries_per_worker_round"] = profile.deliveries
-        alone = drivers_floor(cfg)
+        alone = drivers_floor(cfg, args.workers)
         with one_thread():
             sim1 = simulator_round_seconds(cfg, repeats=1)
         sim1_s, sim1_cpu = sim1.same_work, sim1.cpu - (sim1.seconds - sim1.same_work)  # one thread: CPU ~ wall
-        rows.append((f"seconds per round ({clients} clients, 3 workers, traffic {args.traffic})", f"{run_s:.3f}",
-                     f"{sim_s:.3f} (simulator, same work)", f"{run_s / sim_s:.2f}x", f"<= {GOAL_RATIO}x"))
+        rows.append((f"seconds per round ({clients} clients, {args.workers} workers, traffic {args.traffic})",
+                     f"{run_s:.3f}", f"{sim_s:.3f} (simulator, same work)", f"{run_s / sim_s:.2f}x",
+                     f"<= {GOAL_RATIO}x"))
         rows.append(("  against the simulator's round with its consensus metrics", f"{run_s:.3f}",
                      f"{sim.seconds:.3f}", f"{run_s / sim.seconds:.2f}x", ""))
         rows.append(("final test accuracy", f"{run_acc:.4f}", f"{sim_acc:.4f} (simulator)", "", ""))
@@ -768,7 +776,7 @@ def measure(args: argparse.Namespace, favour: bool) -> None:
         print("| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + " |")
     if phases:
         total = sum(phases.values())
-        print("\nwhere a worker's round goes (seconds per round, mean over the 3 workers):\n")
+        print(f"\nwhere a worker's round goes (seconds per round, mean over the {args.workers} workers):\n")
         print("| phase | seconds | share |\n|---|---|---|")
         for phase, seconds in phases.items():
             print(f"| {phase} | {seconds:.3f} | {seconds / total:.0%} |")
@@ -784,12 +792,13 @@ def measure(args: argparse.Namespace, favour: bool) -> None:
               f"{os.cpu_count()} cores")
     floor, loops = record.get("drivers_floor"), record.get("phases_cpu")
     if (deliveries := record.get("deliveries_per_worker_round")) is not None:
-        print(f"\nper worker and round (mean over the 3 workers): {deliveries['delivered']:.1f} deliveries from the "
-              f"broker for {deliveries['needed']:.1f} distinct messages its clients need from other workers; "
+        print(f"\nper worker and round (mean over the {args.workers} workers): {deliveries['delivered']:.1f} "
+              f"deliveries from the broker for {deliveries['needed']:.1f} distinct messages its clients need from "
+              "other workers; "
               f"{deliveries['applied']:.1f} (receiver, message) pairs folded")
     if floor is not None and loops is not None:
-        print("\nwhere the CPU goes (CPU-s per round, summed over the 3 workers; the drivers alone: the same 3 drivers "
-              "in one thread, below):\n")
+        print(f"\nwhere the CPU goes (CPU-s per round, summed over the {args.workers} workers; the drivers alone: "
+              f"the same {args.workers} drivers in one thread, below):\n")
         print("| phase | runtime's round loops | drivers alone | ratio |\n|---|---|---|---|")
         for phase in PHASES:
             alone = floor["phases_cpu"][phase]
@@ -811,8 +820,9 @@ def measure(args: argparse.Namespace, favour: bool) -> None:
                  else ""))
     if floor is not None:
         one = floor["simulator_one_thread"]
-        print(f"\nthe drivers alone (3 message drivers in one process and thread, lockstep, in-memory transport: no "
-              f"broker, AMQP client, checkpoint or service): {floor['cpu_seconds_per_round']:.3f} CPU-s per round = "
+        print(f"\nthe drivers alone ({args.workers} message drivers in one process and thread, lockstep, in-memory "
+              f"transport: no broker, AMQP client, checkpoint or service): {floor['cpu_seconds_per_round']:.3f} "
+              "CPU-s per round = "
               f"{floor['cpu_seconds_per_round'] / one['cpu_seconds_per_round']:.2f}x the simulator's on one thread, "
               "without its consensus metrics "
               f"({one['cpu_seconds_per_round']:.3f} CPU-s; {one['round_seconds']:.3f} s per round); phases: "

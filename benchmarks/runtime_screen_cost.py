@@ -2,9 +2,10 @@
 measured in one run.
 
     python benchmarks/runtime_screen_cost.py [--pairs 4] [--rounds 12] [--demo] [--private-broker] [--favoured]
-                                             [--out docs/results/runtime_screen_cost_runs.jsonl]
+                                             [--workers N] [--out docs/results/runtime_screen_cost_runs.jsonl]
 
-The runtime benchmark's 24-client config (or the demo's) on a fresh 3-worker stack per run
+The runtime benchmark's 24-client config (or the demo's) on a fresh stack of `--workers` workers per run (by default
+as many as `dfca up` starts: one per core, at most 3)
 (runtime_benchmark.runtime_profile), screened and unscreened in turn, `--pairs` times, the order swapped from one
 pair to the next so that both see the same load; and in each pair the simulator's same-work round, screened and
 unscreened (its best of one run each). Prints each pair's seconds per round, the runtime's CPU seconds per round
@@ -29,6 +30,7 @@ from runtime_benchmark import (
     bench_config,
     benchmark_broker_url,
     commit,
+    default_workers,
     demo_config,
     favoured,
     redact_url,
@@ -44,12 +46,12 @@ def screened(cfg: dict[str, Any], on: bool) -> dict[str, Any]:
     return {**cfg, "dfca": {**cfg.get("dfca", {}), "screen": on}}
 
 
-def one_pair(cfg: dict[str, Any], broker: str, first_on: bool) -> dict[str, dict[str, float]]:
-    """Screened and unscreened, runtime then simulator, in the order `first_on` says."""
+def one_pair(cfg: dict[str, Any], broker: str, first_on: bool, workers: int) -> dict[str, dict[str, float]]:
+    """Screened and unscreened, runtime (on `workers` workers) then simulator, in the order `first_on` says."""
     out: dict[str, dict[str, float]] = {}
     for on in (first_on, not first_on):
         with tempfile.TemporaryDirectory() as tmp:
-            profile = runtime_profile(screened(cfg, on), broker, Path(tmp))
+            profile = runtime_profile(screened(cfg, on), broker, Path(tmp), workers=workers)
         out["on" if on else "off"] = {"runtime_s": profile.seconds, "runtime_cpu": sum(profile.cpu.values()),
                                       "runtime_accuracy": profile.accuracy}
     for on in (first_on, not first_on):
@@ -71,6 +73,8 @@ def main() -> None:
     p.add_argument("--broker", default=benchmark_broker_url())
     p.add_argument("--private-broker", action="store_true", help="a RabbitMQ node of the run's own")
     p.add_argument("--favoured", action="store_true", help="the run's processes ahead of the machine's others")
+    p.add_argument("--workers", type=int, default=default_workers(),
+                   help="the runtime's worker processes (default: as `dfca up` starts them here)")
     p.add_argument("--out", type=Path, default=RESULTS / "runtime_screen_cost_runs.jsonl")
     args = p.parse_args()
     if args.pairs < 1:
@@ -86,7 +90,7 @@ def main() -> None:
         print("| pair | runtime s/round on, off | ratio | runtime CPU-s/round on, off | ratio | "
               "simulator s/round on, off | ratio |\n|---|---|---|---|---|---|---|", flush=True)
         for i in range(args.pairs):
-            pair = one_pair(cfg, args.broker, first_on=i % 2 == 0)
+            pair = one_pair(cfg, args.broker, first_on=i % 2 == 0, workers=args.workers)
             r = ratios(pair)
             pairs.append({**pair, "ratios": r})
             on, off = pair["on"], pair["off"]
@@ -99,7 +103,8 @@ def main() -> None:
           f"{median['runtime_cpu']:.2f}x; simulator round {median['simulator_s']:.2f}x. Runtime accuracy: screened "
           f"{accuracy['on']:.4f}, unscreened {accuracy['off']:.4f}")
     record = {"commit": measured, "load_before": load_before, "load_after": os.getloadavg()[0],
-              "cores": os.cpu_count(), "favoured": favour, "config": "demo" if args.demo else "24 clients",
+              "cores": os.cpu_count(), "workers": args.workers, "favoured": favour,
+              "config": "demo" if args.demo else "24 clients",
               "rounds": args.rounds, "broker": redact_url(args.broker), "pairs": pairs, "median": median}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:

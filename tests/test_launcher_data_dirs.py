@@ -25,3 +25,15 @@ def test_dfca_up_wants_one_folder_per_worker(tmp_path: Path) -> None:
          "--state-dir", str(tmp_path)], capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2 and "--data names 1 folders for 2 workers" in result.stderr
+
+
+def test_dfca_up_starts_a_worker_per_folder_where_no_count_is_given(tmp_path: Path) -> None:
+    """Two folders and no --workers: two workers, whatever the machine's cores (the run then stops at the
+    unreachable broker, past the folder count)."""
+    folders = [arg for name in "ab" for arg in ("--data", str(tmp_path / name))]
+    result = subprocess.run(
+        [sys.executable, "-m", "dfca.cli", "up", *folders, "--broker", "amqp://dfca:dfca@127.0.0.1:1/dfca",
+         "--state-dir", str(tmp_path)], capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1 and "no RabbitMQ answers" in result.stderr
+    assert "--data names" not in result.stderr

@@ -72,6 +72,17 @@ def test_services_get_only_documented_dfca_variables(tmp_path: Path) -> None:
     assert worker["DFCA_TOPOLOGY_URL"] == "http://127.0.0.1:8080" and int(worker["OMP_NUM_THREADS"]) >= 1
 
 
+@pytest.mark.parametrize(("cores", "workers"), [(None, 1), (1, 1), (2, 2), (3, 3), (16, 3)])
+def test_dfca_up_starts_no_more_workers_than_cores_by_default(cores: int | None, workers: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: cores)
+    assert launcher.default_workers() == workers
+    options = StackOptions()
+    assert options.workers == workers
+    # each worker computes on cores // workers threads: one apiece where they are as many as the cores
+    assert service_env(options, "worker", 9999, 0)["OMP_NUM_THREADS"] == str(max(1, (cores or 1) // workers))
+
+
 def test_dfca_up_refuses_to_start_without_a_broker(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "dfca.cli", "up", "--broker", "amqp://dfca:dfca@127.0.0.1:1/dfca",

@@ -10,7 +10,8 @@ SIGTERM (workers first), then SIGKILL after a grace period. Each service logs to
 
 Children run in their own sessions, so a terminal's Ctrl-C reaches only the launcher, which then
 stops them in order. Workers get OMP_NUM_THREADS = cores // workers (at least 1), so N workers
-on one machine do not oversubscribe its cores.
+on one machine do not oversubscribe its cores; by default there are no more workers than cores
+(`default_workers`).
 """
 
 from __future__ import annotations
@@ -44,11 +45,20 @@ BACKOFF_MAX_S = 30.0
 HEALTHY_AFTER_S = 60.0
 STOP_GRACE_S = 15.0
 DELETE_QUEUE_TIMEOUT_S = 10.0  # a broker that does not answer one queue deletion in this long is not asked again
+MOST_DEFAULT_WORKERS = 3  # workers by default on a machine of this many cores or more
+
+
+def default_workers() -> int:
+    """Workers `dfca up` starts unless told: one per core, at most MOST_DEFAULT_WORKERS. A worker computes on its
+    cores all round, so more workers than cores only take turns on them: on 2 cores, 3 workers made the 24-client
+    benchmark's rounds about a third longer than 2 workers and used about 40% more CPU a round
+    (`benchmarks/runtime_benchmark.py --workers 2|3`, docs/performance.md)."""
+    return max(1, min(MOST_DEFAULT_WORKERS, os.cpu_count() or 1))
 
 
 @dataclass
 class StackOptions:
-    workers: int = 3
+    workers: int = field(default_factory=default_workers)
     broker_url: str = "amqp://dfca:dfca@127.0.0.1:5672/dfca"
     host: str = "127.0.0.1"
     topology_port: int = DEFAULT_PORTS["topology"]

@@ -243,7 +243,9 @@ def aggregator() -> None:
 
 @app.command()
 def up(
-    workers: int = typer.Option(3, "--workers", "-n", min=1, help="worker processes"),
+    workers: int = typer.Option(None, "--workers", "-n", min=1, show_default=False,
+                                help="worker processes (default: one per --data folder, else one per core, at "
+                                "most 3)"),
     broker: str = typer.Option(None, "--broker", help="AMQP URL; default DFCA_BROKER_URL or the local RabbitMQ"),
     host: str = typer.Option("127.0.0.1", help="address every service binds to"),
     topology_port: int = typer.Option(8080, help="topology REST API port"),
@@ -275,10 +277,11 @@ def up(
     `dfca submit|status|stop|logs|results|down` read."""
     import os
 
-    from dfca.cli.launcher import StackOptions, run_stack
+    from dfca.cli.launcher import StackOptions, default_workers, run_stack
     from dfca.identity.broker_users import read_urls
     from dfca.settings import DEFAULT_BROKER_URL
 
+    workers = workers or len(data) or default_workers()
     options = StackOptions(
         workers=workers, broker_url=broker or os.environ.get("DFCA_BROKER_URL") or DEFAULT_BROKER_URL, host=host,
         topology_port=topology_port, metrics_port=metrics_port, aggregator_port=8083 if aggregator else None,
