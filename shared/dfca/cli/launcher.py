@@ -51,8 +51,8 @@ MOST_DEFAULT_WORKERS = 3  # workers by default on a machine of this many cores o
 def default_workers() -> int:
     """Workers `dfca up` starts unless told: one per core, at most MOST_DEFAULT_WORKERS. A worker computes on its
     cores all round, so more workers than cores only take turns on them: on 2 cores, 3 workers made the 24-client
-    benchmark's rounds about a third longer than 2 workers and used about 40% more CPU a round
-    (`benchmarks/runtime_benchmark.py --workers 2|3`, docs/performance.md)."""
+    benchmark's rounds 1.4x as long as 2 workers did, and used 1.5x the CPU a round (medians of five alternating
+    pairs, `benchmarks/runtime_benchmark.py --workers 2|3`, docs/performance.md)."""
     return max(1, min(MOST_DEFAULT_WORKERS, os.cpu_count() or 1))
 
 
