@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,3 +38,14 @@ def test_dfca_up_starts_a_worker_per_folder_where_no_count_is_given(tmp_path: Pa
     )
     assert result.returncode == 1 and "no RabbitMQ answers" in result.stderr
     assert "--data names" not in result.stderr
+
+
+def test_dfca_up_says_when_more_workers_than_cores_take_turns(tmp_path: Path) -> None:
+    cores = os.cpu_count() or 1
+    result = subprocess.run(
+        [sys.executable, "-m", "dfca.cli", "up", "--workers", str(cores + 1), "--broker",
+         "amqp://dfca:dfca@127.0.0.1:1/dfca", "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert f"{cores + 1} workers on {cores} cores take turns" in result.stderr and f"--workers {cores}" in result.stderr
+    assert result.returncode == 1  # then stopped at the unreachable broker

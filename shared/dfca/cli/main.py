@@ -311,6 +311,9 @@ def up(
         except ValueError as err:
             typer.echo(f"dfca up: {err}", err=True)
             raise typer.Exit(2) from None
+    if workers > (cores := os.cpu_count() or 1):
+        typer.echo(f"dfca up: {workers} workers on {cores} cores take turns on them: a round takes longer than on "
+                   f"--workers {cores} (docs/performance.md, \"One worker per core\")", err=True)
     raise typer.Exit(run_stack(options))
 
 
