@@ -70,7 +70,7 @@ from harness.lockstep import LockstepRun, client_driver, lockstep_round  # noqa:
 
 TOKEN = "benchmark"
 CPU_SAMPLE_S = 0.05  # how often CpuTrace reads the processes' CPU seconds
-WORKERS = 3  # the runtime's workers where a caller names none: 8 of the 24 clients each (junk_flood, screen cost)
+WORKERS = 3  # the runtime's workers where a caller names none (junk_flood's documented runs): 8 of 24 clients each
 GOAL_RATIO = 2.5  # the goal on 2 cores: a runtime round at most this many times the simulator's same-work round
 
 
