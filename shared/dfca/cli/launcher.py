@@ -48,12 +48,17 @@ DELETE_QUEUE_TIMEOUT_S = 10.0  # a broker that does not answer one queue deletio
 MOST_DEFAULT_WORKERS = 3  # workers by default on a machine of this many cores or more
 
 
+def machine_cores() -> int:
+    """The cores the workers share (1 where the platform does not say)."""
+    return os.cpu_count() or 1
+
+
 def default_workers() -> int:
     """Workers `dfca up` starts unless told: one per core, at most MOST_DEFAULT_WORKERS. A worker computes on its
     cores all round, so more workers than cores only take turns on them: on 2 cores, 3 workers made the 24-client
     benchmark's rounds 1.4x as long as 2 workers did, and used 1.5x the CPU a round (medians of five alternating
     pairs, `benchmarks/runtime_benchmark.py --workers 2|3`, docs/performance.md)."""
-    return max(1, min(MOST_DEFAULT_WORKERS, os.cpu_count() or 1))
+    return min(MOST_DEFAULT_WORKERS, machine_cores())
 
 
 @dataclass
@@ -151,7 +156,7 @@ def service_env(options: StackOptions, service: str, port: int, ordinal: int | N
         env["DFCA_WORKER_ORDINAL"] = str(ordinal)
         if ordinal < len(options.data_dirs):
             env["DFCA_DATA_DIR"] = str(Path(options.data_dirs[ordinal]).resolve())
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // options.workers))
+        env["OMP_NUM_THREADS"] = str(max(1, machine_cores() // options.workers))
     return env
 
 

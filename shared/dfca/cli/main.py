@@ -277,7 +277,7 @@ def up(
     `dfca submit|status|stop|logs|results|down` read."""
     import os
 
-    from dfca.cli.launcher import StackOptions, default_workers, run_stack
+    from dfca.cli.launcher import StackOptions, default_workers, machine_cores, run_stack
     from dfca.identity.broker_users import read_urls
     from dfca.settings import DEFAULT_BROKER_URL
 
@@ -311,7 +311,7 @@ def up(
         except ValueError as err:
             typer.echo(f"dfca up: {err}", err=True)
             raise typer.Exit(2) from None
-    if workers > (cores := os.cpu_count() or 1):
+    if workers > (cores := machine_cores()):
         typer.echo(f"dfca up: {workers} workers on {cores} cores take turns on them: a round takes longer than on "
                    f"--workers {cores} (docs/performance.md, \"One worker per core\")", err=True)
     raise typer.Exit(run_stack(options))
